@@ -1,0 +1,79 @@
+"""Command line: ``python -m app generate --prompt "..." [--chat] [--json]``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from app.config import DEFAULT_MODEL, EngineConfig
+from app.errors import EngineError
+from app.sampling import SamplingParams
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m app", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate one completion in this process")
+    gen.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--model", default=DEFAULT_MODEL,
+                     help="alias, .gguf file, local HF directory or hub id")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+async def _generate(args: argparse.Namespace) -> dict:
+    from app.local_engine import LocalEngine
+
+    engine = LocalEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                      num_threads=args.threads))
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+    if args.chat:
+        req = engine.make_request(sampling, messages=[{"role": "user", "content": args.prompt}])
+    else:
+        req = engine.make_request(sampling, prompt=args.prompt)
+    try:
+        out = await engine.generate(req)
+    finally:
+        await engine.close()
+    return {
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "prompt_token_ids": out.prompt_token_ids,
+        "usage": out.usage,
+        "model": args.model,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        result = asyncio.run(_generate(args))
+    except EngineError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["text"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Engine configuration: one frozen dataclass, checked on construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """Map a dtype name (``float32``, ``bfloat16``, ``float16``) to a torch dtype."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: ``$SPLITSERVE_CACHE`` or ``~/.cache/splitserve``."""
+    env = os.environ.get("SPLITSERVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "splitserve"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs to load a model and bound its work.
+
+    ``max_kv_tokens`` bounds the decoder's physical KV buffer (rows x capacity), so admissions
+    can never make the process run out of memory; ``max_model_len`` caps one sequence.
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    kv_dtype: str | None = None  # None: same as dtype
+    device: str = "cpu"
+    num_threads: int | None = None  # None: leave torch's default
+    max_model_len: int | None = None  # None: the model's own context length
+    max_batch_size: int = 16
+    max_kv_tokens: int = 65536
+    max_waiting: int = 256
+    prefill_token_budget: int = 4096
+    prefill_max_batch_size: int = 8
+    cache_dir: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.kv_dtype is not None:
+            parse_dtype(self.kv_dtype)
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device == "cpu" and self.dtype == "float16":
+            raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        for name in ("max_batch_size", "max_kv_tokens", "max_waiting", "prefill_token_budget",
+                     "prefill_max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return parse_dtype(self.kv_dtype or self.dtype)
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()

@@ -1,0 +1,326 @@
+"""Continuous-batching decode.
+
+``Decoder`` is the synchronous core, driven by one thread: each ``step`` admits waiting
+sequences (their KV packages are copied into free rows of the batch buffer), drops cancelled
+ones, runs one forward pass over every running row and records one token per row. Rows stay
+packed: a sequence that leaves hands its row to the last running one.
+
+``DecodeLoop`` wraps it for asyncio: ``generate(package)`` is an async iterator of tokens, the
+steps run in a worker thread, and adds/cancels are applied only between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from app.errors import QueueFullError
+from app.kv_package import KVPackage
+from app.model_runner import BatchKV, ModelRunner
+from app.sampling import sample_tokens
+from app.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One output token of a sequence; ``finish_reason`` is set on its last event."""
+
+    request_id: str
+    token_id: int | None  # None only on an event that ends a stream without a token
+    index: int  # output position of this token (0 = prefill's first token)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderStats:
+    running: int
+    waiting: int
+    kv_tokens_used: int  # tokens whose KV the running sequences hold
+    kv_tokens_reserved: int  # rows x capacity of the buffer
+    kv_tokens_budget: int
+
+
+class Decoder:
+    """The running batch. Not thread-safe: one thread calls ``step``."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        eos_token_ids: frozenset[int],
+        max_batch_size: int,
+        max_kv_tokens: int,
+    ) -> None:
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.max_batch_size = max_batch_size
+        self.max_kv_tokens = max_kv_tokens
+        self.waiting: deque[tuple[Sequence, KVPackage]] = deque()
+        self.running: list[Sequence] = []  # running[i].row == i
+        self.kv: BatchKV | None = None
+        self.steps = 0
+        self._rejected: list[Sequence] = []
+
+    # -- admission ------------------------------------------------------------------------
+
+    def add(self, seq: Sequence, package: KVPackage) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append((seq, package))
+
+    def _fits(self, rows: int, capacity: int) -> bool:
+        return self.runner.kv_tokens_for(rows, capacity) <= self.max_kv_tokens
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq, package = self.waiting[0]
+            rows = len(self.running) + 1
+            capacity = max([s.max_total_tokens for s in self.running] + [seq.max_total_tokens])
+            if not self._fits(rows, capacity):
+                if not self.running:
+                    # cannot fit even alone: admission control upstream should prevent this
+                    self.waiting.popleft()
+                    seq.finish(FinishReason.ERROR)
+                    self._rejected.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            kv = self.kv
+            if kv is None or kv.rows < rows or kv.capacity < capacity:
+                self.kv = kv = self.runner.allocate(rows, capacity, old=kv)
+            row = len(self.running)
+            self.runner.load_row(kv, row, package.kv_tensor())
+            seq.row, seq.kv_len, seq.status = row, package.seq_len, SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch, keeping rows packed."""
+        row = seq.row
+        assert row is not None and self.running[row] is seq
+        last = self.running.pop()
+        if last is not seq:
+            assert self.kv is not None
+            self.runner.move_row(self.kv, last.row, row, last.kv_len)
+            last.row = row
+            self.running[row] = last
+        seq.row = None
+        if not self.running and not self.waiting:
+            self.kv = None  # idle: give the buffer back
+
+    def cancel(self, request_id: str) -> Sequence | None:
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self._release(seq)
+                seq.finish(FinishReason.CANCELLED)
+                return seq
+        for i, (seq, _) in enumerate(self.waiting):
+            if seq.request_id == request_id:
+                del self.waiting[i]
+                seq.finish(FinishReason.CANCELLED)
+                return seq
+        return None
+
+    # -- the step --------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def step(self) -> list[Sequence]:
+        """Admit, run one forward pass, sample. Returns the sequences that got a token
+        (or finished without one) this step; their last token and status tell what happened."""
+        self._admit()
+        rejected, self._rejected = self._rejected, []
+        if not self.running:
+            return rejected
+        assert self.kv is not None
+        batch = list(self.running)
+        logits = self.runner.decode(
+            self.kv, [s.last_token for s in batch], [s.kv_len for s in batch]
+        )  # [B, V]
+        tokens = sample_tokens(
+            logits,
+            [s.sampling for s in batch],
+            [s.num_output_tokens for s in batch],
+            history=[s.prompt_token_ids + s.output_token_ids for s in batch]
+            if any(s.sampling.repetition_penalty != 1.0 for s in batch)
+            else None,
+        )
+        self.steps += 1
+        for seq, tok in zip(batch, tokens, strict=True):
+            seq.kv_len += 1
+            seq.append(tok, eos_token_ids=self.eos_token_ids,
+                       max_model_len=self.runner.max_model_len)
+        # Highest row first: every finished row above the current one is already gone, so
+        # the row moved into a hole always belongs to a sequence that keeps running.
+        for seq in sorted((s for s in batch if s.is_finished), key=lambda s: -(s.row or 0)):
+            self._release(seq)
+        return rejected + batch
+
+    def fail_all(self, reason: FinishReason = FinishReason.ERROR) -> list[Sequence]:
+        failed = [s for s in self.running] + [s for s, _ in self.waiting]
+        for seq in failed:
+            seq.finish(reason)
+            seq.row = None
+        self.running, self.kv = [], None
+        self.waiting.clear()
+        return failed
+
+    def stats(self) -> DecoderStats:
+        kv = self.kv
+        return DecoderStats(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            kv_tokens_used=sum(s.kv_len for s in self.running),
+            kv_tokens_reserved=kv.rows * kv.capacity if kv is not None else 0,
+            kv_tokens_budget=self.max_kv_tokens,
+        )
+
+
+class DecodeLoop:
+    """Asyncio face of a :class:`Decoder`: one background task steps it in a worker thread.
+
+    Adds and cancels are queued and applied by that task between steps, so the decoder is
+    never touched while a step runs. ``max_waiting`` bounds the sequences that
+    wait for a row; past it ``generate`` raises :class:`QueueFullError` at once.
+    """
+
+    def __init__(self, decoder: Decoder, *, max_waiting: int, fingerprint: str) -> None:
+        self.decoder = decoder
+        self.max_waiting = max_waiting
+        self.fingerprint = fingerprint
+        self._pending_adds: list[tuple[Sequence, KVPackage]] = []
+        self._pending_cancels: set[str] = set()
+        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.last_step_at = time.monotonic()
+        self.step_times: deque[float] = deque(maxlen=256)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._queues)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._pending_adds) + len(self.decoder.waiting)
+
+    def _ensure_task(self) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="decode-loop")
+
+    async def generate(self, package: KVPackage) -> AsyncIterator[TokenEvent]:
+        """Stream a sequence's tokens, starting with prefill's first token at once.
+
+        Closing the iterator early (client disconnect, stop string found upstream) cancels the
+        sequence; its row is freed before the next step.
+        """
+        package.check_compatible(self.fingerprint, self.decoder.runner.layout)
+        rid = package.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already decoding")
+        seq = Sequence(
+            request_id=rid,
+            prompt_token_ids=package.prompt_ids,
+            sampling=package.sampling,
+        )
+        seq.append(
+            package.first_token,
+            eos_token_ids=self.decoder.eos_token_ids,
+            max_model_len=self.decoder.runner.max_model_len,
+        )
+        if seq.is_finished:
+            yield TokenEvent(rid, package.first_token, 0, seq.finish_reason.value)  # type: ignore[union-attr]
+            return
+        if self.num_waiting >= self.max_waiting:
+            raise QueueFullError(
+                f"decode queue is full ({self.num_waiting} sequences waiting)", retry_after_s=1.0
+            )
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[rid] = queue
+        self._pending_adds.append((seq, package))
+        del package  # the decoder holds the only reference until it copies the KV in
+        self._ensure_task()
+        assert self._wakeup is not None
+        self._wakeup.set()
+        finished = False
+        try:
+            yield TokenEvent(rid, seq.output_token_ids[0], 0)
+            while True:
+                event = await queue.get()
+                finished = event.finish_reason is not None
+                yield event
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self._pending_cancels.add(rid)
+                if self._wakeup is not None:
+                    self._wakeup.set()
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        cancels, self._pending_cancels = self._pending_cancels, set()
+        for seq, package in adds:
+            if seq.request_id in cancels:
+                cancels.discard(seq.request_id)
+                continue
+            self.decoder.add(seq, package)
+        for rid in cancels:
+            self.decoder.cancel(rid)
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            if not (self._pending_adds or self._pending_cancels or self.decoder.has_work):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            start = time.perf_counter()
+            self._apply_pending()  # on the loop thread, while no step runs
+            try:
+                touched = await asyncio.to_thread(self.decoder.step)
+            except Exception as exc:  # a failed step must not strand any stream
+                logger.exception("decode step failed")
+                for seq in self.decoder.fail_all():
+                    self._deliver(TokenEvent(seq.request_id, None, seq.num_output_tokens,
+                                             FinishReason.ERROR.value, error=str(exc)))
+                continue
+            elapsed = time.perf_counter() - start
+            self.last_step_at = time.monotonic()
+            if touched:
+                self.step_times.append(elapsed)
+            for seq in touched:
+                if seq.finish_reason is FinishReason.ERROR:
+                    self._deliver(TokenEvent(seq.request_id, None, seq.num_output_tokens,
+                                             FinishReason.ERROR.value,
+                                             error="sequence does not fit the KV budget"))
+                    continue
+                reason = seq.finish_reason.value if seq.is_finished else None  # type: ignore[union-attr]
+                self._deliver(
+                    TokenEvent(seq.request_id, seq.last_token, seq.num_output_tokens - 1, reason)
+                )
+            await asyncio.sleep(0)  # let consumers run between steps
+
+    def _deliver(self, event: TokenEvent) -> None:
+        queue = self._queues.get(event.request_id)
+        if queue is not None:
+            queue.put_nowait(event)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None

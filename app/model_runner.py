@@ -1,0 +1,222 @@
+"""Forward passes for the two phases over a Hugging Face decoder-only model.
+
+The runner drives the model's own modules (embedding, rotary embedding, decoder layers, final
+norm, LM head) so the arithmetic is the model's, while KV storage is the runner's:
+
+* ``prefill``: a right-padded batch of prompts in one causal pass; each prompt's keys and
+  values come back as one contiguous ``[layers, 2, kv_heads, seq, head_dim]`` tensor.
+* ``decode``: one token for each active row of a preallocated batch KV buffer
+  ``[layers, 2, rows, kv_heads, capacity, head_dim]``; rows may hold different lengths, each
+  new key/value is written in place at its row's own position.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from app.config import EngineConfig, dtype_name
+from app.kv_package import KVLayout
+from app.model_loader import check_architecture
+
+_MIN_CAPACITY = 128
+
+
+class _PrefillCollector:
+    """Cache stand-in for prefill: keeps each layer's keys/values, attends over them as is."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key_states: [B, kv_heads, S, head_dim]
+        self.keys[layer_idx] = key_states
+        self.values[layer_idx] = value_states
+        return key_states, value_states
+
+
+class _BatchCacheView:
+    """Cache stand-in for decode: writes one token per row into the batch buffer in place."""
+
+    def __init__(self, buf: torch.Tensor, rows: int, positions: torch.Tensor, span: int) -> None:
+        self.buf = buf
+        self.row_idx = torch.arange(rows, device=buf.device)
+        self.positions = positions
+        self.rows = rows
+        self.span = span
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key_states: [B, kv_heads, 1, head_dim]; positions: [B]
+        keys = self.buf[layer_idx, 0]
+        values = self.buf[layer_idx, 1]
+        keys[self.row_idx, :, self.positions] = key_states[:, :, 0].to(keys.dtype)
+        values[self.row_idx, :, self.positions] = value_states[:, :, 0].to(values.dtype)
+        k = keys[: self.rows, :, : self.span]
+        v = values[: self.rows, :, : self.span]
+        if k.dtype != key_states.dtype:
+            k, v = k.to(key_states.dtype), v.to(key_states.dtype)
+        return k, v
+
+
+@dataclass(slots=True)
+class BatchKV:
+    """The decoder's KV buffer; ``rows * capacity`` is bounded by the engine's KV budget."""
+
+    buf: torch.Tensor  # [layers, 2, rows, kv_heads, capacity, head_dim]
+
+    @property
+    def rows(self) -> int:
+        return int(self.buf.shape[2])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.buf.shape[4])
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class ModelRunner:
+    """Runs prefill and decode forward passes; owns no request state."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        check_architecture(model)
+        self.model = model
+        self.config = config
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary_emb = inner.rotary_emb
+        self.lm_head = model.lm_head
+        cfg = model.config
+        self.vocab_size: int = cfg.vocab_size
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = config.torch_kv_dtype
+        num_heads = cfg.num_attention_heads
+        self.layout = KVLayout(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+            kv_dtype=dtype_name(self.kv_dtype),
+        )
+        model_len = int(getattr(cfg, "max_position_embeddings", 2048))
+        self.max_model_len = min(model_len, config.max_model_len or model_len)
+        # transformers renamed the layers' cache argument; pass it under whichever name it has.
+        params = inspect.signature(self.layers[0].forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # One forward pass at a time: prefill and decode share the cores of this process.
+        self.lock = threading.Lock()
+
+    def _layers_forward(self, hidden, position_ids, mask, cache) -> torch.Tensor:
+        cos_sin = self.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            out = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                position_embeddings=cos_sin,
+                **{self._cache_kw: cache},
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, H] -> logits [B, V] in float32
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run prompts of any lengths as one right-padded batch.
+
+        Returns logits at each prompt's last token [B, V] (float32) and, per prompt, its KV
+        ``[layers, 2, kv_heads, len_i, head_dim]`` (contiguous, KV dtype, on the device).
+        Right padding needs no attention mask: under the causal mask a real token never sees
+        the pads that follow it.
+        """
+        lens = [len(p) for p in prompts]
+        bsz, seq = len(prompts), max(lens)
+        ids = torch.zeros((bsz, seq), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)
+        positions = torch.arange(seq, device=self.device).unsqueeze(0).expand(bsz, seq)
+        collector = _PrefillCollector(len(self.layers))
+        with self.lock:
+            hidden = self.embed_tokens(ids)  # [B, S, H]
+            hidden = self._layers_forward(hidden, positions, None, collector)
+            last = torch.tensor(lens, device=self.device) - 1
+            logits = self._logits(hidden[torch.arange(bsz, device=self.device), last])
+            kvs = []
+            lay = self.layout
+            for i, n in enumerate(lens):
+                kv = torch.empty(
+                    (lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim),
+                    dtype=self.kv_dtype,
+                    device=self.device,
+                )
+                for layer_idx in range(lay.num_layers):
+                    kv[layer_idx, 0] = collector.keys[layer_idx][i, :, :n]
+                    kv[layer_idx, 1] = collector.values[layer_idx][i, :, :n]
+                kvs.append(kv)
+        return logits, kvs
+
+    # ---- decode -------------------------------------------------------------------------
+
+    def kv_tokens_for(self, rows: int, capacity: int) -> int:
+        return _next_pow2(rows) * max(_MIN_CAPACITY, _next_pow2(capacity))
+
+    def allocate(self, rows: int, capacity: int, old: BatchKV | None = None) -> BatchKV:
+        """A buffer with at least ``rows`` rows and ``capacity`` positions (powers of two),
+        holding the first ``old.rows`` rows of ``old`` when given."""
+        rows = _next_pow2(rows)
+        capacity = min(max(_MIN_CAPACITY, _next_pow2(capacity)), _next_pow2(self.max_model_len))
+        lay = self.layout
+        # zeros, not empty: masked positions are still multiplied by 0 in attention, NaN*0=NaN
+        buf = torch.zeros(
+            (lay.num_layers, 2, rows, lay.num_kv_heads, capacity, lay.head_dim),
+            dtype=self.kv_dtype,
+            device=self.device,
+        )
+        if old is not None:
+            r, c = min(rows, old.rows), min(capacity, old.capacity)
+            buf[:, :, :r, :, :c] = old.buf[:, :, :r, :, :c]
+        return BatchKV(buf)
+
+    @staticmethod
+    def load_row(kv: BatchKV, row: int, package_kv: torch.Tensor) -> None:
+        # package_kv: [layers, 2, kv_heads, n, head_dim]
+        n = package_kv.shape[3]
+        kv.buf[:, :, row, :, :n] = package_kv.to(kv.buf.device, kv.buf.dtype)
+
+    @staticmethod
+    def move_row(kv: BatchKV, src: int, dst: int, length: int) -> None:
+        kv.buf[:, :, dst, :, :length] = kv.buf[:, :, src, :, :length]
+
+    @torch.inference_mode()
+    def decode(self, kv: BatchKV, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step for rows ``0..B-1``: row i feeds ``token_ids[i]`` at ``positions[i]``
+        (its current KV length) and its new key/value is written there. Returns [B, V] float32.
+        """
+        bsz = len(token_ids)
+        assert 0 < bsz <= kv.rows and len(positions) == bsz
+        span = max(positions) + 1
+        assert span <= kv.capacity, f"position {span - 1} outside KV capacity {kv.capacity}"
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device).unsqueeze(1)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        mask = None
+        if min(positions) != span - 1:
+            # rows shorter than the longest must not see positions past their own length
+            key_pos = torch.arange(span, device=self.device)
+            mask = (key_pos.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]  # [B,1,1,span]
+        view = _BatchCacheView(kv.buf, bsz, pos, span)
+        with self.lock:
+            hidden = self.embed_tokens(ids)  # [B, 1, H]
+            hidden = self._layers_forward(hidden, pos.unsqueeze(1), mask, view)
+            return self._logits(hidden[:, -1])

@@ -1,0 +1,67 @@
+"""Turning a decoder's token events into text deltas (detokenization, stop strings)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from app.decode import TokenEvent
+from app.detokenizer import IncrementalDetokenizer
+from app.errors import EngineError
+from app.sampling import SamplingParams
+
+
+class GenerationFailed(EngineError):
+    """The engine ended a stream with an error (HTTP 500 / an error event)."""
+
+    error_type = "server_error"
+    status_code = 500
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """New output since the previous delta. ``finish_reason`` is set on the last one."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def usage(self) -> dict[str, int]:
+        n_in, n_out = len(self.prompt_token_ids), len(self.token_ids)
+        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+async def text_deltas(
+    events: AsyncIterator[TokenEvent], tokenizer, sampling: SamplingParams
+) -> AsyncIterator[StreamDelta]:
+    """Detokenize a token stream; stop early (closing ``events``) when a stop string appears."""
+    detok = IncrementalDetokenizer(tokenizer, sampling.stop)
+    try:
+        async for ev in events:
+            if ev.error is not None:
+                raise GenerationFailed(f"generation failed: {ev.error}")
+            ids = [] if ev.token_id is None else [ev.token_id]
+            text = detok.add(ev.token_id) if ev.token_id is not None else ""
+            if detok.stopped:
+                yield StreamDelta(text, ids, "stop")
+                return
+            if ev.finish_reason is not None:
+                yield StreamDelta(text + detok.finish(), ids, ev.finish_reason)
+                return
+            if text or ids:
+                yield StreamDelta(text, ids)
+        raise GenerationFailed("the token stream ended without a finish reason")
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -1,0 +1,224 @@
+"""Continuous batching: exactness against generate(), joins/leaves, bounds, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from app.config import EngineConfig
+from app.errors import QueueFullError
+from app.local_engine import EngineCore
+from app.sampling import SamplingParams
+from app.sequence import PrefillRequest
+from tests.conftest import hf_greedy
+
+EOS = 2
+
+
+def _core(model, **cfg) -> EngineCore:
+    return EngineCore(EngineConfig(**cfg), model=model)
+
+
+def _prompts(n: int, seed: int = 1, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+async def _collect(loop, package) -> list[int]:
+    return [ev.token_id async for ev in loop.generate(package)]
+
+
+async def test_greedy_batch_matches_generate_with_staggered_joins(tiny_model):
+    core = _core(tiny_model, max_batch_size=16)
+    prefiller = core.make_prefiller()
+    loop = core.make_decode_loop(frozenset())
+    prompts = _prompts(8)
+    max_tokens = [5 + 3 * i for i in range(8)]  # leave at different steps
+    reqs = [
+        PrefillRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=m, temperature=0.0))
+        for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
+    ]
+    packages = prefiller.prefill(reqs)
+
+    async def join_later(i):
+        await asyncio.sleep(0.01 * i)  # join at different steps
+        return await _collect(loop, packages[i])
+
+    outs = await asyncio.gather(*(join_later(i) for i in range(8)))
+    await loop.close()
+    assert loop.decoder.steps > max(max_tokens) - 1  # they shared steps, not ran one by one
+    for prompt, m, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out == hf_greedy(tiny_model, prompt, m)
+
+
+async def test_decoder_bounded_by_batch_size_and_waits(tiny_model):
+    core = _core(tiny_model, max_batch_size=2)
+    loop = core.make_decode_loop(frozenset())
+    prompts = _prompts(5, seed=3)
+    packages = core.make_prefiller().prefill(
+        [PrefillRequest(f"b{i}", tuple(p), SamplingParams(max_tokens=6, temperature=0.0))
+         for i, p in enumerate(prompts)]
+    )
+    max_running = 0
+
+    async def watch():
+        nonlocal max_running
+        while True:
+            max_running = max(max_running, len(loop.decoder.running))
+            await asyncio.sleep(0.001)
+
+    watcher = asyncio.create_task(watch())
+    outs = await asyncio.gather(*(_collect(loop, p) for p in packages))
+    watcher.cancel()
+    await loop.close()
+    assert max_running == 2
+    for p, out in zip(prompts, outs, strict=True):
+        assert out == hf_greedy(tiny_model, p, 6)
+
+
+async def test_kv_budget_limits_admissions(tiny_model):
+    # 256 tokens of KV: two sequences of <=128 tokens fit, a third must wait
+    core = _core(tiny_model, max_batch_size=8, max_kv_tokens=256)
+    loop = core.make_decode_loop(frozenset())
+    prompts = _prompts(4, seed=5, lo=10, hi=20)
+    packages = core.make_prefiller().prefill(
+        [PrefillRequest(f"k{i}", tuple(p), SamplingParams(max_tokens=20, temperature=0.0))
+         for i, p in enumerate(prompts)]
+    )
+    peak_reserved = 0
+
+    async def watch():
+        nonlocal peak_reserved
+        while True:
+            peak_reserved = max(peak_reserved, loop.decoder.stats().kv_tokens_reserved)
+            await asyncio.sleep(0.001)
+
+    watcher = asyncio.create_task(watch())
+    outs = await asyncio.gather(*(_collect(loop, p) for p in packages))
+    watcher.cancel()
+    await loop.close()
+    assert 0 < peak_reserved <= 256
+    assert all(len(o) == 20 for o in outs)
+
+
+async def test_waiting_queue_full_raises(tiny_model):
+    core = _core(tiny_model, max_batch_size=1, max_waiting=1)
+    loop = core.make_decode_loop(frozenset())
+    prompts = _prompts(3, seed=7)
+    packages = core.make_prefiller().prefill(
+        [PrefillRequest(f"q{i}", tuple(p), SamplingParams(max_tokens=30, temperature=0.0))
+         for i, p in enumerate(prompts)]
+    )
+    first = loop.generate(packages[0])
+    await first.__anext__()  # pending: 1 waiting
+    with pytest.raises(QueueFullError):
+        await loop.generate(packages[1]).__anext__()
+    await first.aclose()
+    await loop.close()
+
+
+async def test_cancel_frees_row_next_step(tiny_model):
+    core = _core(tiny_model, max_batch_size=4)
+    loop = core.make_decode_loop(frozenset())
+    [a, b] = core.make_prefiller().prefill(
+        [PrefillRequest(f"c{i}", tuple(p), SamplingParams(max_tokens=200, temperature=0.0))
+         for i, p in enumerate(_prompts(2, seed=9))]
+    )
+    gen_a = loop.generate(a)
+    for _ in range(3):
+        await gen_a.__anext__()
+    task_b = asyncio.create_task(_collect(loop, b))
+    while len(loop.decoder.running) < 2:
+        await asyncio.sleep(0.001)
+    steps_at_cancel = loop.decoder.steps
+    await gen_a.aclose()
+    while len(loop.decoder.running) == 2:
+        await asyncio.sleep(0.001)
+    assert loop.decoder.steps <= steps_at_cancel + 1
+    assert [s.request_id for s in loop.decoder.running] == ["c1"]
+    out_b = await task_b
+    await loop.close()
+    assert out_b == hf_greedy(tiny_model, b.prompt_ids, 200)
+
+
+async def test_eos_and_stop_token_ids_finish(tiny_model):
+    core = _core(tiny_model)
+    prompt = _prompts(1, seed=11)[0]
+    ref = hf_greedy(tiny_model, prompt, 12)
+    stop_tok = ref[4]
+    loop = core.make_decode_loop(frozenset())
+    [pkg] = core.make_prefiller().prefill(
+        [PrefillRequest("s", tuple(prompt),
+                        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_tok,)))]
+    )
+    events = [ev async for ev in loop.generate(pkg)]
+    await loop.close()
+    cut = ref.index(stop_tok) + 1
+    assert [e.token_id for e in events] == ref[:cut]
+    assert events[-1].finish_reason == "stop"
+    # the same token as EOS, unless ignore_eos
+    loop2 = core.make_decode_loop(frozenset({stop_tok}))
+    [pkg2] = core.make_prefiller().prefill(
+        [PrefillRequest("e", tuple(prompt),
+                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+    )
+    events2 = [ev async for ev in loop2.generate(pkg2)]
+    await loop2.close()
+    assert [e.token_id for e in events2] == ref
+    assert events2[-1].finish_reason == "length"
+
+
+async def test_seeded_sampling_independent_of_batch(tiny_model):
+    core = _core(tiny_model)
+    prompts = _prompts(4, seed=13)
+    sp = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+
+    async def run(batch_prompts):
+        loop = core.make_decode_loop(frozenset())
+        pkgs = core.make_prefiller().prefill(
+            [PrefillRequest(f"x{i}", tuple(p), sp if i == 0 else sp.__class__(
+                max_tokens=12, temperature=1.0, seed=i)) for i, p in enumerate(batch_prompts)]
+        )
+        outs = await asyncio.gather(*(_collect(loop, p) for p in pkgs))
+        await loop.close()
+        return outs[0]
+
+    alone = await run(prompts[:1])
+    crowded = await run(prompts)
+    assert alone == crowded
+    other_seed = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=99)
+    loop = core.make_decode_loop(frozenset())
+    [pkg] = core.make_prefiller().prefill([PrefillRequest("y", tuple(prompts[0]), other_seed)])
+    different = await _collect(loop, pkg)
+    await loop.close()
+    assert different != alone
+
+
+def test_decode_step_rows_stay_packed(tiny_model):
+    """Direct Decoder use: release moves the last row into the hole, KV intact."""
+    from app.decode import Decoder
+    from app.sequence import Sequence
+
+    core = _core(tiny_model)
+    dec = Decoder(core.runner, eos_token_ids=frozenset(), max_batch_size=4, max_kv_tokens=4096)
+    prompts = _prompts(3, seed=17)
+    pkgs = core.make_prefiller().prefill(
+        [PrefillRequest(f"d{i}", tuple(p), SamplingParams(max_tokens=m, temperature=0.0))
+         for i, (p, m) in enumerate(zip(prompts, (2, 9, 9), strict=True))]
+    )
+    seqs = []
+    for pkg in pkgs:
+        s = Sequence(pkg.request_id, list(pkg.prompt_token_ids), pkg.sampling)
+        s.append(pkg.first_token, eos_token_ids=frozenset(), max_model_len=512)
+        dec.add(s, pkg)
+        seqs.append(s)
+    while dec.has_work:
+        dec.step()
+        assert [s.row for s in dec.running] == list(range(len(dec.running)))
+    for p, s, m in zip(prompts, seqs, (2, 9, 9), strict=True):
+        assert s.output_token_ids == hf_greedy(tiny_model, p, m)
+    assert dec.kv is None  # idle: buffer released
+    assert torch.is_grad_enabled()
