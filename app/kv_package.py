@@ -10,6 +10,7 @@ hundred bytes of plain metadata: no pickled transformers objects.
 from __future__ import annotations
 
 import pickle
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,7 +107,10 @@ class KVPackage:
 
     def kv_tensor(self, device: str | torch.device = "cpu") -> torch.Tensor:
         """The KV as a torch tensor (zero-copy on CPU); [layers, 2, kv_heads, seq, head_dim]."""
-        t = torch.from_numpy(self.kv)
+        with warnings.catch_warnings():
+            # object-store buffers are read-only; the tensor is only ever read (copied from)
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(self.kv)
         if self.layout.kv_dtype == "bfloat16":
             t = t.view(torch.bfloat16)
         return t.to(device, non_blocking=True)

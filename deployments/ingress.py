@@ -1,0 +1,349 @@
+"""Ingress: the OpenAI-compatible HTTP API and the Python handle API.
+
+CPU only, no weights: it tokenizes, validates, asks prefill for a KV package (keeping the
+ObjectRef, never its bytes), hands that ref to decode, and detokenizes the token stream.
+"""
+
+# No `from __future__ import annotations` here: FastAPI must see the real `Request` type.
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from app.chat import PromptBuilder
+from app.decode import TokenEvent
+from app.errors import EngineError, InvalidRequestError, ModelNotFoundError
+from app.model_loader import load_tokenizer, local_model_dir, resolve_model
+from app.output import GenerationFailed, StreamDelta, text_deltas
+from app.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    new_id,
+    now,
+    usage_dict,
+)
+from app.sequence import PrefillRequest, validate_prompt
+from deployments.args import AppArgs
+from deployments.decode_server import StreamStart
+from deployments.metrics import IngressMetrics
+
+logger = logging.getLogger(__name__)
+
+api = FastAPI(title="splitserve", description="OpenAI-compatible API over split prefill/decode")
+
+
+def unwrap_error(exc: BaseException) -> BaseException:
+    """The engine error inside a Ray task error, if there is one."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
+        return cause
+    return exc
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    exc = unwrap_error(exc)
+    if isinstance(exc, EngineError):
+        headers = {}
+        retry = getattr(exc, "retry_after_s", None)
+        if retry is not None:
+            headers["Retry-After"] = str(max(1, round(retry)))
+        return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code),
+                            status_code=exc.status_code, headers=headers)
+    logger.exception("internal error", exc_info=exc)
+    return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+
+
+def _validation_error(exc: ValidationError) -> InvalidRequestError:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p not in ("function-after",))
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        msg = f"unsupported field {loc!r}"
+    return InvalidRequestError(f"{loc}: {msg}" if loc else msg, param=loc or None)
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """Server-side timings of one request (seconds), for the handle API and load tests."""
+
+    received: float = field(default_factory=time.perf_counter)
+    prefill_assigned: float | None = None
+    stream_start: StreamStart | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    kv_locations: list[str] | None = None
+    kv_object_size: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        s = self.stream_start
+        out: dict[str, Any] = {
+            "ttft_s": None if self.first_token is None else self.first_token - self.received,
+            "e2e_s": None if self.last_token is None else self.last_token - self.received,
+        }
+        if s is not None:
+            out.update(decode_node=s.node_id, kv_bytes=s.kv_bytes, kv_hop_s=s.kv_hop_s,
+                       kv_fetch_s=s.fetch_s, prefill_compute_s=s.prefill_s)
+        if self.kv_locations is not None:
+            out.update(kv_locations=self.kv_locations, kv_object_size=self.kv_object_size)
+        return out
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle,
+                 args: dict[str, Any]) -> None:
+        from transformers import AutoConfig
+
+        self.args = AppArgs.model_validate(args)
+        cfg = self.args.engine_config("prefill")
+        self.prefill = prefill
+        self.decode = decode
+        self.tokenizer = load_tokenizer(cfg)
+        self.prompts = PromptBuilder(self.tokenizer)
+        model_cfg = AutoConfig.from_pretrained(
+            local_model_dir(resolve_model(cfg.model), cfg.resolved_cache_dir))
+        model_len = int(getattr(model_cfg, "max_position_embeddings", 2048))
+        self.max_model_len = min(model_len, cfg.max_model_len or model_len)
+        self.vocab_size = int(model_cfg.vocab_size)
+        self.model_name = self.args.model_name
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.metrics = IngressMetrics()
+        self.in_flight = 0
+
+    # ---- request preparation -------------------------------------------------------------
+
+    def _prepare(self, kind: str, body: Any) -> tuple[Any, PrefillRequest]:
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        try:
+            req = schema.model_validate(body)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        if req.model is not None and req.model != self.model_name:
+            raise ModelNotFoundError(
+                f"model {req.model!r} is not served here; this server serves {self.model_name!r}")
+        if kind == "chat":
+            ids = self.prompts.encode_chat(req.message_dicts())
+            param = "messages"
+            default_max = self.args.default_max_tokens
+        else:
+            ids = self.prompts.encode_prompt(req.prompt)
+            param = "prompt"
+            default_max = 16
+        if req.max_tokens is None:
+            # never let the default push a valid prompt over the context
+            default_max = max(1, min(default_max, self.max_model_len - len(ids)))
+        sampling = req.sampling_params(default_max).with_seed()
+        validate_prompt(ids, sampling, max_model_len=self.max_model_len,
+                        vocab_size=self.vocab_size, param=param)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return req, PrefillRequest(new_id(prefix), tuple(ids), sampling)
+
+    # ---- the split path ------------------------------------------------------------------
+
+    async def _token_events(self, preq: PrefillRequest,
+                            trace: RequestTrace | None) -> AsyncIterator[TokenEvent]:
+        ref = await self.prefill.prefill.remote(preq)._to_object_ref()
+        # the list keeps Ray from resolving the ref here: decode resolves it on its node
+        stream = self.decode.options(stream=True).generate.remote([ref])
+        try:
+            async for item in stream:
+                if isinstance(item, StreamStart):
+                    if trace is not None:
+                        trace.stream_start = item
+                        if trace.kv_locations is None:
+                            loc = ray.experimental.get_object_locations([ref])[ref]
+                            trace.kv_locations = list(loc.get("node_ids", []))
+                            trace.kv_object_size = loc.get("object_size")
+                    ref = None  # decode holds the package: let the object go
+                    continue
+                yield item
+        finally:
+            stream.cancel()
+
+    async def _deltas(self, preq: PrefillRequest,
+                      trace: RequestTrace | None = None) -> AsyncIterator[StreamDelta]:
+        trace = trace or RequestTrace()
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        n_tokens = 0
+        try:
+            async for delta in text_deltas(self._token_events(preq, trace), self.tokenizer,
+                                           preq.sampling):
+                t = time.perf_counter()
+                if trace.first_token is None:
+                    trace.first_token = t
+                    self.metrics.ttft_ms.observe((t - trace.received) * 1000)
+                trace.last_token = t
+                n_tokens += len(delta.token_ids)
+                yield delta
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
+            if n_tokens > 1 and trace.first_token is not None and trace.last_token is not None:
+                self.metrics.tpot_ms.observe(
+                    (trace.last_token - trace.first_token) / (n_tokens - 1) * 1000)
+
+    async def _complete(self, kind: str, body: Any,
+                        trace: RequestTrace | None = None) -> dict[str, Any]:
+        req, preq = self._prepare(kind, body)
+        text, token_ids, finish = "", [], None
+        async for delta in self._deltas(preq, trace):
+            text += delta.text
+            token_ids.extend(delta.token_ids)
+            finish = delta.finish_reason or finish
+        usage = usage_dict(preq.num_tokens, len(token_ids))
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": finish, "logprobs": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            obj = "text_completion"
+        return {"id": preq.request_id, "object": obj, "created": now(),
+                "model": self.model_name, "choices": [choice], "usage": usage}
+
+    async def _chunks(self, kind: str, req: Any, preq: PrefillRequest,
+                      deltas: AsyncIterator[StreamDelta]) -> AsyncIterator[dict[str, Any]]:
+        created = now()
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        n_out = 0
+
+        def chunk(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
+            if kind == "chat":
+                delta: dict[str, Any] = {"content": text}
+                if first:
+                    delta["role"] = "assistant"
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            return {"id": preq.request_id, "object": obj, "created": created,
+                    "model": self.model_name, "choices": [choice]}
+
+        first = True
+        async for delta in deltas:
+            n_out += len(delta.token_ids)
+            if delta.text or delta.finish_reason or first:
+                yield chunk(delta.text, delta.finish_reason, first)
+                first = False
+        opts = req.stream_options
+        if opts is not None and opts.include_usage:
+            yield {"id": preq.request_id, "object": obj, "created": created,
+                   "model": self.model_name, "choices": [],
+                   "usage": usage_dict(preq.num_tokens, n_out)}
+
+    async def _stream_response(self, kind: str, request: Request):
+        body = await self._read_json(request)
+        req, preq = self._prepare(kind, body)
+        chunks = self._chunks(kind, req, preq, self._deltas(preq))
+        # Wait for the first chunk before answering, so a failure to start (queue full, a
+        # dead phase) gets its own status code instead of a 200 with an error event.
+        first = await chunks.__anext__()
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                yield f"data: {json.dumps(first)}\n\n"
+                async for c in chunks:
+                    yield f"data: {json.dumps(c)}\n\n"
+            except Exception as exc:  # the stream already started: end it with an error event
+                err = unwrap_error(exc)
+                if isinstance(err, EngineError):
+                    body_ = error_body(err.message, err.error_type, err.param, err.code)
+                else:
+                    logger.exception("stream failed")
+                    body_ = error_body("internal server error", "server_error")
+                yield f"data: {json.dumps(body_)}\n\n"
+            finally:
+                await chunks.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _read_json(self, request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise InvalidRequestError("the request body is not valid JSON") from None
+
+    async def _handle(self, kind: str, request: Request):
+        try:
+            body = await self._read_json(request)
+            if isinstance(body, dict) and body.get("stream") is True:
+                return await self._stream_response(kind, request)
+            return JSONResponse(await self._complete(kind, body))
+        except Exception as exc:
+            return error_response(exc)
+
+    # ---- HTTP routes ---------------------------------------------------------------------
+
+    @api.post("/v1/chat/completions")
+    async def http_chat(self, request: Request):
+        return await self._handle("chat", request)
+
+    @api.post("/v1/completions")
+    async def http_completions(self, request: Request):
+        return await self._handle("completion", request)
+
+    @api.get("/v1/models")
+    async def http_models(self):
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "splitserve",
+            "max_model_len": self.max_model_len}]}
+
+    @api.get("/health")
+    async def http_health(self):
+        status = await self.readiness()
+        return JSONResponse(status, status_code=200 if status["ready"] else 503)
+
+    # ---- Python handle API ---------------------------------------------------------------
+
+    async def readiness(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Ready when both phases answer a ping through their handles."""
+        async def ping(handle: DeploymentHandle) -> bool:
+            try:
+                await asyncio.wait_for(handle.ping.remote(), timeout_s)
+                return True
+            except Exception:
+                return False
+
+        prefill_ok, decode_ok = await asyncio.gather(ping(self.prefill), ping(self.decode))
+        return {"ready": prefill_ok and decode_ok, "prefill": prefill_ok, "decode": decode_ok}
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A chat completion from the same fields as the HTTP body (non-streaming)."""
+        return await self._complete("chat", body)
+
+    async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._complete("completion", body)
+
+    async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Streaming chat: yields the same chunk objects as the SSE stream."""
+        req, preq = self._prepare("chat", body)
+        async for c in self._chunks("chat", req, preq, self._deltas(preq)):
+            yield c
+
+    async def completions_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        req, preq = self._prepare("completion", body)
+        async for c in self._chunks("completion", req, preq, self._deltas(preq)):
+            yield c
+
+    async def trace(self, body: dict[str, Any], kind: str = "chat") -> dict[str, Any]:
+        """Run one request and report where its work and its KV object went (diagnostics)."""
+        trace = RequestTrace()
+        response = await self._complete(kind, body, trace)
+        return {"response": response, "ingress_node": self.node_id, **trace.as_dict()}
