@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.splitserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit run lint bench clean-cache
+.PHONY: setup test test-unit run generate lint bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ test-unit: setup
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
 
 run: setup
+	$(PY) -m deployments.run_local --config serve_configs/local.yaml
+
+generate: setup
 	$(PY) -m app generate --chat --prompt "Explain in two sentences why the sky is blue." --max-tokens 96
 
 lint: setup

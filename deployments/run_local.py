@@ -1,0 +1,126 @@
+"""``make run``: serve the split app on this machine.
+
+Starts a local Ray head offering both phase tags (unless a cluster is already reachable),
+runs ``serve run`` on the config, waits until the app is ready, prints how to call it, and on
+Ctrl-C stops what it started.
+
+    python -m deployments.run_local [--config serve_configs/local.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bin(name: str) -> str:
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else (shutil.which(name) or name)
+
+
+def _cluster_reachable() -> bool:
+    if os.environ.get("RAY_ADDRESS"):
+        return True
+    result = subprocess.run([_bin("ray"), "status"], capture_output=True, text=True)
+    return result.returncode == 0
+
+
+def _phase_tags(config: dict) -> dict[str, float]:
+    tags: dict[str, float] = {}
+    for app in config.get("applications", []):
+        args = app.get("args") or {}
+        for phase in ("prefill", "decode"):
+            tag = (args.get(phase) or {}).get("resource_tag", f"{phase}_accel")
+            if tag:
+                tags[tag] = tags.get(tag, 0) + 2  # room for a second replica of each phase
+    return tags or {"prefill_accel": 2, "decode_accel": 2}
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                if json.loads(resp.read()).get("ready"):
+                    return True
+        except OSError:
+            pass
+        time.sleep(1.0)
+    return False
+
+
+def _banner(url: str, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 64})
+    return f"""
+splitserve is ready at {url}
+
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{body}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none'); \\
+print(c.chat.completions.create(model='{model}', \\
+messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)"
+
+Ctrl-C stops it.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", default=str(ROOT / "serve_configs" / "local.yaml"))
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    config = yaml.safe_load(Path(args.config).read_text())
+    http = config.get("http_options") or {}
+    host = http.get("host", "127.0.0.1")
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
+    app_args = (config.get("applications") or [{}])[0].get("args") or {}
+    model = app_args.get("served_model_name") or app_args.get("model", "smollm2-135m-instruct")
+
+    started_ray = False
+    if not _cluster_reachable():
+        tags = json.dumps(_phase_tags(config))
+        cpus = str(max(4, os.cpu_count() or 1))
+        print(f"starting a local Ray head with resources {tags}", flush=True)
+        subprocess.run([_bin("ray"), "start", "--head", f"--resources={tags}",
+                        f"--num-cpus={cpus}", "--include-dashboard=false",
+                        "--disable-usage-stats"], check=True)
+        started_ray = True
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    serve_proc = subprocess.Popen([_bin("serve"), "run", args.config], cwd=ROOT, env=env)
+    try:
+        if _wait_ready(url, serve_proc, args.ready_timeout):
+            print(_banner(url, model), flush=True)
+        else:
+            print("the app did not become ready; see the log above", file=sys.stderr)
+        return serve_proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if serve_proc.poll() is None:
+            serve_proc.send_signal(signal.SIGINT)
+            try:
+                serve_proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                serve_proc.kill()
+        if started_ray:
+            subprocess.run([_bin("ray"), "stop"], check=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
