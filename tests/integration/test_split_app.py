@@ -1,0 +1,213 @@
+"""The split app on a real three-node cluster: placement, the KV hop, the OpenAI API, handles,
+KV ownership and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from app.config import EngineConfig
+from app.local_engine import LocalEngine
+from app.sampling import SamplingParams
+from tests.integration.conftest import APP
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "List three prime numbers.",
+    "Explain what a KV cache is in one sentence.",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_model, smollm_tokenizer):
+    """Greedy completions of PROMPTS from the in-process LocalEngine."""
+    engine = LocalEngine(EngineConfig(), model=smollm_model, tokenizer=smollm_tokenizer)
+
+    async def run():
+        outs = []
+        for p in PROMPTS:
+            req = engine.make_request(SamplingParams(max_tokens=24, temperature=0.0),
+                                      messages=[{"role": "user", "content": p}])
+            outs.append(await engine.generate(req))
+        await engine.close()
+        return outs
+
+    return asyncio.run(run())
+
+
+def _actor_nodes(class_suffix: str) -> list[str]:
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return [a.node_id for a in actors if a.class_name.endswith(class_suffix)]
+
+
+def test_replicas_run_on_their_phase_nodes(split_app):
+    prefill_nodes = _actor_nodes(f"{APP}:PrefillServer")
+    decode_nodes = _actor_nodes(f"{APP}:DecodeServer")
+    ingress_nodes = _actor_nodes(f"{APP}:Ingress")
+    assert prefill_nodes and set(prefill_nodes) == {split_app.prefill_id}
+    assert decode_nodes and set(decode_nodes) == {split_app.decode_id}
+    assert ingress_nodes and split_app.prefill_id not in ingress_nodes
+    assert split_app.decode_id not in ingress_nodes
+    assert set(ingress_nodes) == {split_app.head_id}
+
+
+def test_kv_moves_prefill_node_to_decode_node_not_through_ingress(split_app):
+    handle = serve.get_app_handle(APP)
+    body = {"messages": [{"role": "user", "content": "Tell me about the sea. " * 20}],
+            "max_tokens": 4, "temperature": 0}
+    trace = handle.trace.remote(body).result(timeout_s=120)
+    assert trace["ingress_node"] == split_app.head_id
+    assert trace["decode_node"] == split_app.decode_id
+    locations = set(trace["kv_locations"])
+    # made in the prefill node's store, pulled into the decode node's, never the head's
+    assert split_app.prefill_id in locations
+    assert split_app.head_id not in locations
+    prompt_tokens = trace["response"]["usage"]["prompt_tokens"]
+    per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2: layers, kv heads, head dim, float32
+    assert trace["kv_bytes"] == per_token * prompt_tokens
+    # the object holds the package and a little metadata, nothing more
+    assert trace["kv_bytes"] <= trace["kv_object_size"] <= trace["kv_bytes"] + 8192
+    decode = serve.get_deployment_handle("DecodeServer", APP)
+    stats = decode.stats.remote().result(timeout_s=30)
+    assert stats["node_id"] == split_app.decode_id
+    assert stats["kv_bytes_received"] >= trace["kv_bytes"]
+
+
+def test_openai_client_greedy_matches_local_engine(split_app, reference):
+    client = openai.OpenAI(base_url=f"{split_app.url}/v1", api_key="unused", max_retries=0)
+    aclient = openai.AsyncOpenAI(base_url=f"{split_app.url}/v1", api_key="unused",
+                                 max_retries=0)
+    model = client.models.list().data[0].id
+
+    async def one(prompt: str, stream: bool) -> tuple[str, str | None, int | None]:
+        kwargs = dict(model=model, messages=[{"role": "user", "content": prompt}],
+                      max_tokens=24, temperature=0)
+        if not stream:
+            r = await aclient.chat.completions.create(**kwargs)
+            return r.choices[0].message.content, r.choices[0].finish_reason, \
+                r.usage.completion_tokens
+        text, finish, usage = "", None, None
+        s = await aclient.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True})
+        async for chunk in s:
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        return text, finish, usage
+
+    async def run_all():
+        jobs = [one(p, stream) for stream in (False, True) for p in PROMPTS]
+        return await asyncio.gather(*jobs)
+
+    results = asyncio.run(run_all())
+    expected = [(r.text, r.finish_reason, len(r.token_ids)) for r in reference] * 2
+    assert results == expected
+
+
+def test_completions_endpoint_and_models(split_app, reference):
+    r = httpx.get(f"{split_app.url}/v1/models", timeout=30)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "smollm2-135m-instruct"
+    client = openai.OpenAI(base_url=f"{split_app.url}/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model="smollm2-135m-instruct", prompt="The sky is",
+                                    max_tokens=5, temperature=0)
+    assert out.object == "text_completion"
+    assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
+    assert out.choices[0].text
+
+
+def test_handle_call_and_streaming_handle_call(split_app, reference):
+    handle = serve.get_app_handle(APP)
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 24,
+            "temperature": 0}
+    result = handle.chat.remote(body).result(timeout_s=120)
+    assert result["choices"][0]["message"]["content"] == reference[0].text
+    chunks = list(handle.options(stream=True).chat_stream.remote(body))
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == reference[0].text
+    assert chunks[-1]["choices"][0]["finish_reason"] == reference[0].finish_reason
+
+
+BAD_REQUESTS = [
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": True}, 400, "frobnicate"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages"),
+    ([1, 2, 3], 400, None),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(split_app, body, status, param):
+    r = httpx.post(f"{split_app.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert param in (err["param"] or "")
+
+
+def test_bad_json_and_token_ids_then_healthy(split_app):
+    r = httpx.post(f"{split_app.url}/v1/completions", content=b"{not json", timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{split_app.url}/v1/completions", json={"prompt": [5, 10**7]}, timeout=30)
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    r = httpx.post(f"{split_app.url}/v1/completions", json={"prompt": ""}, timeout=30)
+    assert r.status_code == 400
+    assert httpx.get(f"{split_app.url}/health", timeout=30).json()["ready"] is True
+    r = httpx.post(f"{split_app.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_kv_object_survives_its_prefill_replica(split_app, reference):
+    """The caller of prefill owns the KV object: killing the replica that made it does not
+    lose it, and decode still reads it (the ingress relies on this for every request)."""
+    from ray.util.state import list_actors
+
+    from app.sequence import PrefillRequest
+    from deployments.decode_server import StreamStart
+
+    engine_prompt = reference[0].prompt_token_ids
+    prefill = serve.get_deployment_handle("PrefillServer", APP)
+    decode = serve.get_deployment_handle("DecodeServer", APP)
+    req = PrefillRequest("survivor", tuple(engine_prompt),
+                         SamplingParams(max_tokens=24, temperature=0.0))
+    ref = prefill.prefill.remote(req)._to_object_ref_sync()
+    ray.wait([ref], fetch_local=False, timeout=120)
+    [actor] = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+               if a.class_name.endswith(f"{APP}:PrefillServer")]
+    ray.kill(ray.get_actor(actor.name, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = {a.state for a in list_actors(limit=1000) if a.actor_id == actor.actor_id}
+        if states == {"DEAD"}:
+            break
+        time.sleep(0.2)
+    assert states == {"DEAD"}
+    tokens = []
+    for item in decode.options(stream=True).generate.remote([ref]):
+        if not isinstance(item, StreamStart):
+            tokens.append(item.token_id)
+    assert tokens == reference[0].token_ids
+    from tests.integration.conftest import wait_ready
+
+    wait_ready(split_app.url)  # Serve replaces the killed replica
