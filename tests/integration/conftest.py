@@ -66,7 +66,21 @@ def wait_ready(url: str, timeout_s: float = 180.0) -> None:
 
 
 @pytest.fixture(scope="session")
-def split_cluster():
+def ray_machine_lock():
+    """One Ray cluster on this machine at a time (parallel test sessions would fight over
+    ports and the two cores); free in CI, where one session runs."""
+    import fcntl
+
+    with open("/tmp/splitserve-ray-cluster.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def split_cluster(ray_machine_lock):
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
