@@ -33,7 +33,7 @@ class TokenEvent:
 
     request_id: str
     token_id: int | None  # None only on an event that ends a stream without a token
-    index: int  # output position of this token (0 = prefill's first token)
+    index: int  # output position of this token in the whole stream (0 = the first token)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -147,7 +147,7 @@ class Decoder:
         tokens = sample_tokens(
             logits,
             [s.sampling for s in batch],
-            [s.num_output_tokens for s in batch],
+            [s.next_step for s in batch],
             history=[s.prompt_token_ids + s.output_token_ids for s in batch]
             if any(s.sampling.repetition_penalty != 1.0 for s in batch)
             else None,
@@ -231,6 +231,7 @@ class DecodeLoop:
             request_id=rid,
             prompt_token_ids=package.prompt_ids,
             sampling=package.sampling,
+            output_offset=package.output_offset,
         )
         seq.append(
             package.first_token,
@@ -238,7 +239,7 @@ class DecodeLoop:
             max_model_len=self.decoder.runner.max_model_len,
         )
         if seq.is_finished:
-            yield TokenEvent(rid, package.first_token, 0, seq.finish_reason.value)  # type: ignore[union-attr]
+            yield TokenEvent(rid, package.first_token, seq.output_offset, seq.finish_reason.value)  # type: ignore[union-attr]
             return
         if self.num_waiting >= self.max_waiting:
             raise QueueFullError(
@@ -253,7 +254,7 @@ class DecodeLoop:
         self._wakeup.set()
         finished = False
         try:
-            yield TokenEvent(rid, seq.output_token_ids[0], 0)
+            yield TokenEvent(rid, seq.output_token_ids[0], seq.output_offset)
             while True:
                 event = await queue.get()
                 finished = event.finish_reason is not None
@@ -292,7 +293,7 @@ class DecodeLoop:
             except Exception as exc:  # a failed step must not strand any stream
                 logger.exception("decode step failed")
                 for seq in self.decoder.fail_all():
-                    self._deliver(TokenEvent(seq.request_id, None, seq.num_output_tokens,
+                    self._deliver(TokenEvent(seq.request_id, None, seq.next_step,
                                              FinishReason.ERROR.value, error=str(exc)))
                 continue
             elapsed = time.perf_counter() - start
@@ -301,13 +302,13 @@ class DecodeLoop:
                 self.step_times.append(elapsed)
             for seq in touched:
                 if seq.finish_reason is FinishReason.ERROR:
-                    self._deliver(TokenEvent(seq.request_id, None, seq.num_output_tokens,
+                    self._deliver(TokenEvent(seq.request_id, None, seq.next_step,
                                              FinishReason.ERROR.value,
                                              error="sequence does not fit the KV budget"))
                     continue
                 reason = seq.finish_reason.value if seq.is_finished else None  # type: ignore[union-attr]
                 self._deliver(
-                    TokenEvent(seq.request_id, seq.last_token, seq.num_output_tokens - 1, reason)
+                    TokenEvent(seq.request_id, seq.last_token, seq.next_step - 1, reason)
                 )
             await asyncio.sleep(0)  # let consumers run between steps
 

@@ -58,6 +58,7 @@ class KVPackage:
     sampling: SamplingParams
     created_at: float  # time.time() when prefill returned it (KV-hop timing)
     prefill_s: float = 0.0  # compute time of the batch this request was prefilled in
+    output_offset: int = 0  # output index of first_token (non-zero for a resumed stream)
 
     @property
     def seq_len(self) -> int:
@@ -84,6 +85,7 @@ class KVPackage:
         vocab_size: int,
         created_at: float,
         prefill_s: float = 0.0,
+        output_offset: int = 0,
     ) -> KVPackage:
         # kv: [layers, 2, kv_heads, seq_len, head_dim], contiguous, on any device
         assert kv.dim() == 5 and kv.shape[1] == 2, f"bad KV shape {tuple(kv.shape)}"
@@ -103,6 +105,7 @@ class KVPackage:
             sampling=sampling,
             created_at=created_at,
             prefill_s=prefill_s,
+            output_offset=output_offset,
         )
 
     def kv_tensor(self, device: str | torch.device = "cpu") -> torch.Tensor:

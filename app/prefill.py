@@ -67,7 +67,8 @@ class Prefiller:
         prompts = [list(r.prompt_token_ids) for r in batch]
         logits, kvs = self.runner.prefill(prompts)  # [B, V], per request [L, 2, kvh, n, hd]
         firsts = sample_tokens(
-            logits, [r.sampling for r in batch], [0] * len(batch), history=prompts
+            logits, [r.sampling for r in batch], [r.output_offset for r in batch],
+            history=prompts
         )
         elapsed = time.perf_counter() - start
         now = time.time()
@@ -82,6 +83,7 @@ class Prefiller:
                 vocab_size=self.runner.vocab_size,
                 created_at=now,
                 prefill_s=elapsed,
+                output_offset=r.output_offset,
             )
             for r, kv, prompt, first in zip(batch, kvs, prompts, firsts, strict=True)
         ]

@@ -29,6 +29,9 @@ class PrefillRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    # Output tokens a client already received before this prompt was (re)built: a resumed
+    # stream re-prefills prompt + those tokens, and sampling steps continue from here.
+    output_offset: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +83,12 @@ class Sequence:
     finish_reason: FinishReason | None = None
     row: int | None = None  # batch row while RUNNING
     kv_len: int = 0  # tokens whose KV sits in this sequence's row
+    output_offset: int = 0  # see PrefillRequest.output_offset
+
+    @property
+    def next_step(self) -> int:
+        """Sampling step (output index) of the token this sequence draws next."""
+        return self.output_offset + self.num_output_tokens
 
     @property
     def prompt_len(self) -> int:

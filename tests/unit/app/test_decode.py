@@ -222,3 +222,24 @@ def test_decode_step_rows_stay_packed(tiny_model):
         assert s.output_token_ids == hf_greedy(tiny_model, p, m)
     assert dec.kv is None  # idle: buffer released
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_resumed_stream_continues_exactly(tiny_model, temperature):
+    """Re-prefilling prompt + delivered tokens with output_offset continues the same stream
+    (the ingress does this when a decode replica dies mid-stream)."""
+    core = _core(tiny_model)
+    prompt = _prompts(1, seed=21)[0]
+    sp = SamplingParams(max_tokens=16, temperature=temperature, seed=77)
+    loop = core.make_decode_loop(frozenset())
+    [pkg] = core.make_prefiller().prefill([PrefillRequest("full", tuple(prompt), sp)])
+    full = [(e.index, e.token_id) async for e in loop.generate(pkg)]
+    cut = 6
+    sent = [t for _, t in full[:cut]]
+    resumed_sp = SamplingParams(max_tokens=16 - cut, temperature=temperature, seed=77)
+    [pkg2] = core.make_prefiller().prefill(
+        [PrefillRequest("resumed", tuple(prompt + sent), resumed_sp, output_offset=cut)])
+    rest = [(e.index, e.token_id) async for e in loop.generate(pkg2)]
+    await loop.close()
+    assert [i for i, _ in full] == list(range(16))
+    assert full[cut:] == rest
