@@ -2,11 +2,53 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.config import DEFAULT_MODEL, EngineConfig
+from deployments.autoscaling import DecodeParams, PrefillParams
+
+# Prompts shorter than this are prefilled on the decode replica (see BENCHMARKS.md,
+# "Autoscaling and routing", for the measurement behind it).
+DEFAULT_LOCAL_PREFILL_THRESHOLD = 0
+
+
+class ScalingArgs(BaseModel):
+    """Which signal a phase scales on, once its ``autoscaling_config`` is set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["load", "slo", "ongoing_requests"] = Field(
+        "load", description="'load': the phase's own load (prefill: waiting + in-flight prompt "
+        "tokens; decode: sequences and KV tokens held); 'slo': its measured latency against "
+        "ttft_target_ms (prefill) / tpot_target_ms (decode); 'ongoing_requests': Ray Serve's "
+        "default request-count policy (target_ongoing_requests), for comparison.")
+    target_queue_delay_s: float = Field(
+        0.5, gt=0, description="Prefill, load policy: one replica's capacity is the prompt "
+        "tokens it prefills within this delay (tokens/s x delay).")
+    prefill_tokens_per_s: float | None = Field(
+        None, gt=0, description="Prefill, load policy: one replica's prefill throughput in "
+        "tokens/s. None: what the replicas measure on their own batches.")
+    target_sequences: int | None = Field(
+        None, ge=1, description="Decode, load policy: sequences one replica should run. "
+        "None: max_batch_size.")
+    target_kv_fraction: float = Field(
+        0.8, gt=0, le=1, description="Decode, load policy: the fraction of max_kv_tokens one "
+        "replica should hold.")
+    scale_down_ratio: float = Field(
+        0.6, gt=0, le=1, description="Hysteresis: scale up once the replicas are over "
+        "capacity, scale down only when the load would fill one replica fewer to at most this "
+        "fraction of its capacity (slo policy: its latency target).")
+    ttft_target_ms: float | None = Field(
+        None, gt=0, description="Prefill, slo policy: target for the prefill share of time to "
+        "first token (arrival at the prefill replica -> KV package ready).")
+    tpot_target_ms: float | None = Field(
+        None, gt=0, description="Decode, slo policy: target time per output token (decode "
+        "step).")
+    latency_window_s: float = Field(
+        10.0, gt=0, description="Replicas report the mean latency of the requests or steps of "
+        "the last this-many seconds.")
 
 
 class PhaseArgs(BaseModel):
@@ -29,11 +71,22 @@ class PhaseArgs(BaseModel):
         1, ge=1, description="Fixed replica count; ignored when autoscaling_config is set.")
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Ray Serve autoscaling_config for this phase (min_replicas, "
-        "max_replicas, initial_replicas, delays...).")
+        "max_replicas, initial_replicas, upscale_delay_s, downscale_delay_s, "
+        "look_back_period_s, metrics_interval_s...). The phase's policy (see scaling) is "
+        "added unless it names its own 'policy'.")
+    scaling: ScalingArgs = Field(
+        default_factory=ScalingArgs, description="The signal and targets this phase scales "
+        "on when autoscaling_config is set.")
     max_ongoing_requests: int = Field(
         64, ge=1, description="Requests one replica accepts at once before Serve queues them.")
     graceful_shutdown_timeout_s: float = Field(
-        60.0, ge=0, description="How long a stopping replica may finish in-flight work.")
+        600.0, ge=0, description="A stopping replica (scale-down, redeploy) takes no new "
+        "requests and waits up to this long for its in-flight ones, then is killed. Long "
+        "enough for the longest decode stream (max_model_len x step time), so scaling decode "
+        "down never cuts a stream; an idle replica stops at once whatever this is.")
+    graceful_shutdown_wait_loop_s: float = Field(
+        1.0, gt=0, description="How often a stopping replica checks that its in-flight "
+        "requests are done.")
 
     def ray_actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus}
@@ -50,6 +103,7 @@ class PhaseArgs(BaseModel):
             "ray_actor_options": self.ray_actor_options(),
             "max_ongoing_requests": self.max_ongoing_requests,
             "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+            "graceful_shutdown_wait_loop_s": self.graceful_shutdown_wait_loop_s,
         }
         if self.autoscaling_config is not None:
             opts["autoscaling_config"] = self.autoscaling_config
@@ -108,6 +162,10 @@ class AppArgs(BaseModel):
         0.005, ge=0, le=1.0, description="Prefill: how long a batch waits to fill.")
     default_max_tokens: int = Field(
         256, ge=1, description="max_tokens when a chat request gives none.")
+    local_prefill_threshold: int = Field(
+        DEFAULT_LOCAL_PREFILL_THRESHOLD, ge=0, description="Conditional disaggregation: a "
+        "prompt shorter than this many tokens is prefilled on the decode replica itself (no "
+        "KV hop); a longer one goes to the prefill deployment. 0: every prompt hops.")
     prefill: PhaseArgs = Field(default_factory=_default_prefill, description="Prefill phase.")
     decode: PhaseArgs = Field(default_factory=_default_decode, description="Decode phase.")
     ingress: IngressArgs = Field(default_factory=IngressArgs, description="HTTP/handle ingress.")
@@ -125,6 +183,7 @@ class AppArgs(BaseModel):
         # both phases build their engine from these fields: fail at deploy time, not in a replica
         for phase in ("prefill", "decode"):
             self.engine_config(phase)
+            self.policy_kwargs(phase)
         return self
 
     @property
@@ -150,3 +209,37 @@ class AppArgs(BaseModel):
             )
         except ValueError as exc:
             raise ValueError(f"{phase}: {exc}") from exc
+
+    def policy_kwargs(self, phase: str) -> dict[str, Any]:
+        """The ``policy_kwargs`` of the phase's autoscaling policy (checked here, at deploy
+        time, rather than in the Serve controller)."""
+        sc = (self.prefill if phase == "prefill" else self.decode).scaling
+        mode = "load" if sc.policy == "ongoing_requests" else sc.policy
+        try:
+            if phase == "prefill":
+                params: Any = PrefillParams(
+                    mode=mode, target_queue_delay_s=sc.target_queue_delay_s,
+                    tokens_per_s=sc.prefill_tokens_per_s,
+                    scale_down_ratio=sc.scale_down_ratio, ttft_target_ms=sc.ttft_target_ms)
+            else:
+                params = DecodeParams(
+                    mode=mode, sequences_per_replica=sc.target_sequences or self.max_batch_size,
+                    kv_tokens_per_replica=self.max_kv_tokens * sc.target_kv_fraction,
+                    scale_down_ratio=sc.scale_down_ratio, tpot_target_ms=sc.tpot_target_ms)
+        except ValueError as exc:
+            raise ValueError(f"{phase}.scaling: {exc}") from exc
+        return {name: getattr(params, name) for name in params.__dataclass_fields__}
+
+    def deployment_options(self, phase: str) -> dict[str, Any]:
+        """Serve options of one phase's deployment: placement, scale and, when it autoscales,
+        its phase policy (``deployments.autoscaling``) unless the config names its own."""
+        args = self.prefill if phase == "prefill" else self.decode
+        opts = args.deployment_options()
+        config = opts.get("autoscaling_config")
+        if config is not None and "policy" not in config \
+                and args.scaling.policy != "ongoing_requests":
+            policy = "PrefillPolicy" if phase == "prefill" else "DecodePolicy"
+            opts["autoscaling_config"] = {**config, "policy": {
+                "policy_function": f"deployments.autoscaling:{policy}",
+                "policy_kwargs": self.policy_kwargs(phase)}}
+        return opts

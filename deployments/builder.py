@@ -19,8 +19,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     """
     parsed = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     plain = parsed.model_dump(mode="json")
-    prefill = PrefillServer.options(**parsed.prefill.deployment_options()).bind(plain)
-    decode = DecodeServer.options(**parsed.decode.deployment_options()).bind(plain)
+    prefill = PrefillServer.options(**parsed.deployment_options("prefill")).bind(plain)
+    decode = DecodeServer.options(**parsed.deployment_options("decode")).bind(plain)
     ingress = Ingress.options(
         num_replicas=parsed.ingress.num_replicas,
         max_ongoing_requests=parsed.ingress.max_ongoing_requests,

@@ -11,10 +11,12 @@ from typing import Any
 import ray
 from ray import serve
 
-from app.kv_package import KVPackage
 from app.chat import PromptBuilder
+from app.kv_package import KVPackage
 from app.local_engine import EngineCore
 from app.model_loader import load_tokenizer
+from app.sequence import PrefillRequest
+from deployments import autoscaling
 from deployments.args import AppArgs
 from deployments.metrics import DecodeMetrics
 
@@ -28,6 +30,8 @@ class StreamStart:
     kv_hop_s: float  # prefill returned -> this replica holds the package
     fetch_s: float  # time spent resolving the ObjectRef here
     prefill_s: float  # compute time of the prefill batch that made the package
+    local_prefill: bool = False  # prefilled by this decode replica (no KV hop)
+    replica_id: str = ""  # the decode replica serving the stream
 
 
 @serve.deployment(name="DecodeServer")
@@ -40,9 +44,18 @@ class DecodeServer:
             getattr(self.core.model, "generation_config", None)
         )
         self.loop = self.core.make_decode_loop(eos)
+        # short prompts are prefilled here (conditional disaggregation): same code, same model
+        self.prefiller = self.core.make_prefiller()
         self.node_id = ray.get_runtime_context().get_node_id()
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside a Serve replica (the class used directly)
+            self.replica_id = ""
         self.metrics = DecodeMetrics()
+        self.tpot_window_s = self.args.decode.scaling.latency_window_s
         self.started = 0
+        self.local_prefills = 0  # streams that were prefilled here
+        self.local_prefilling = 0  # of those, still in their prefill
         self.kv_bytes_received = 0
         self.hop_s_total = 0.0
         self._stats_task: asyncio.Task | None = None
@@ -63,7 +76,32 @@ class DecodeServer:
         self.kv_bytes_received += package.kv_nbytes
         self.hop_s_total += hop
         self.metrics.kv_hop_ms.observe(hop * 1000)
-        yield StreamStart(self.node_id, package.kv_nbytes, hop, fetched - t0, package.prefill_s)
+        yield StreamStart(self.node_id, package.kv_nbytes, hop, fetched - t0, package.prefill_s,
+                          replica_id=self.replica_id)
+        events = self.loop.generate(package)
+        del package
+        async for event in events:
+            yield event
+
+    async def generate_local(self, req: PrefillRequest) -> AsyncIterator[Any]:
+        """Prefill a short prompt on this replica, then decode it in this replica's batch.
+
+        The same stream as :meth:`generate` (a :class:`StreamStart`, then tokens) without the
+        KV hop. The prefill holds the model between two decode steps, so only prompts short
+        enough to cost the running batch less than a hop would come here
+        (``local_prefill_threshold``).
+        """
+        self._ensure_stats_task()
+        self.prefiller.validate(req)
+        self.local_prefilling += 1
+        try:
+            [package] = await asyncio.to_thread(self.prefiller.prefill, [req])
+        finally:
+            self.local_prefilling -= 1
+        self.started += 1
+        self.local_prefills += 1
+        yield StreamStart(self.node_id, package.kv_nbytes, 0.0, 0.0, package.prefill_s,
+                          local_prefill=True, replica_id=self.replica_id)
         events = self.loop.generate(package)
         del package
         async for event in events:
@@ -81,6 +119,23 @@ class DecodeServer:
             self.metrics.kv_tokens.set(st.kv_tokens_used)
             await asyncio.sleep(1.0)
 
+    def _tpot_ms(self) -> float:
+        """Mean of the last decode steps (a step includes any wait for a local prefill), or
+        0 when no sequence is streaming or no step ran within the latency window."""
+        recent = list(self.loop.step_times)[-32:]
+        if (self.loop.num_active == 0 or not recent
+                or time.monotonic() - self.loop.last_step_at > self.tpot_window_s):
+            return 0.0
+        return sum(recent) / len(recent) * 1000.0
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """This replica's load for ``deployments.autoscaling.DecodePolicy``."""
+        return {
+            autoscaling.DECODE_SEQUENCES: float(self.loop.num_active + self.local_prefilling),
+            autoscaling.DECODE_KV_TOKENS: float(self.loop.decoder.stats().kv_tokens_used),
+            autoscaling.DECODE_TPOT_MS: self._tpot_ms(),
+        }
+
     def stats(self) -> dict[str, Any]:
         st = self.loop.decoder.stats()
         steps = list(self.loop.step_times)
@@ -97,6 +152,9 @@ class DecodeServer:
             "hop_s_total": self.hop_s_total,
             "steps": self.loop.decoder.steps,
             "mean_step_s": sum(steps) / len(steps) if steps else None,
+            "replica_id": self.replica_id,
+            "local_prefills": self.local_prefills,
+            "autoscaling": self.record_autoscaling_stats(),
         }
 
     def ping(self) -> str:

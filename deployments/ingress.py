@@ -24,7 +24,7 @@ from app.chat import PromptBuilder
 from app.decode import TokenEvent
 from app.errors import EngineError, InvalidRequestError, ModelNotFoundError
 from app.model_loader import load_tokenizer, local_model_dir, resolve_model
-from app.output import GenerationFailed, StreamDelta, text_deltas
+from app.output import StreamDelta, text_deltas
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -93,7 +93,9 @@ class RequestTrace:
         }
         if s is not None:
             out.update(decode_node=s.node_id, kv_bytes=s.kv_bytes, kv_hop_s=s.kv_hop_s,
-                       kv_fetch_s=s.fetch_s, prefill_compute_s=s.prefill_s)
+                       kv_fetch_s=s.fetch_s, prefill_compute_s=s.prefill_s,
+                       prefill_path="local" if s.local_prefill else "remote",
+                       decode_replica=s.replica_id)
         if self.kv_locations is not None:
             out.update(kv_locations=self.kv_locations, kv_object_size=self.kv_object_size)
         return out
@@ -156,15 +158,20 @@ class Ingress:
 
     async def _token_events(self, preq: PrefillRequest,
                             trace: RequestTrace | None) -> AsyncIterator[TokenEvent]:
-        ref = await self.prefill.prefill.remote(preq)._to_object_ref()
-        # the list keeps Ray from resolving the ref here: decode resolves it on its node
-        stream = self.decode.options(stream=True).generate.remote([ref])
+        ref: ray.ObjectRef | None = None
+        if preq.num_tokens < self.args.local_prefill_threshold:
+            # short prompt: the decode replica prefills it itself, no KV hop
+            stream = self.decode.options(stream=True).generate_local.remote(preq)
+        else:
+            ref = await self.prefill.prefill.remote(preq)._to_object_ref()
+            # the list keeps Ray from resolving the ref here: decode resolves it on its node
+            stream = self.decode.options(stream=True).generate.remote([ref])
         try:
             async for item in stream:
                 if isinstance(item, StreamStart):
                     if trace is not None:
                         trace.stream_start = item
-                        if trace.kv_locations is None:
+                        if trace.kv_locations is None and ref is not None:
                             loc = ray.experimental.get_object_locations([ref])[ref]
                             trace.kv_locations = list(loc.get("node_ids", []))
                             trace.kv_object_size = loc.get("object_size")
@@ -199,7 +206,7 @@ class Ingress:
 
     async def _complete(self, kind: str, body: Any,
                         trace: RequestTrace | None = None) -> dict[str, Any]:
-        req, preq = self._prepare(kind, body)
+        _req, preq = self._prepare(kind, body)
         text, token_ids, finish = "", [], None
         async for delta in self._deltas(preq, trace):
             text += delta.text

@@ -16,6 +16,7 @@ from ray import serve
 from app.kv_package import KVPackage
 from app.local_engine import EngineCore
 from app.sequence import PrefillRequest
+from deployments import autoscaling
 from deployments.args import AppArgs
 from deployments.metrics import PrefillMetrics
 
@@ -41,15 +42,20 @@ class PrefillServer:
         self.completed = 0
         self.compute_s_total = 0.0
         self.tokens_total = 0
+        self.throughput = autoscaling.ThroughputWindow()
+        self.latency = autoscaling.LatencyWindow(self.args.prefill.scaling.latency_window_s)
 
     async def prefill(self, req: PrefillRequest) -> KVPackage:
         """Prefill one prompt (batched with others that arrive together)."""
         self.prefiller.validate(req)
         self._track(req.num_tokens, +1)
+        key = object()
+        self.latency.start(key)
         try:
             # a prompt longer than the budget weighs the whole budget and so runs alone
             return await self._prefill_batch((req, min(req.num_tokens, self.token_budget)))
         finally:
+            self.latency.finish(key)
             self._track(req.num_tokens, -1)
             self.completed += 1
 
@@ -70,12 +76,23 @@ class PrefillServer:
         tokens = sum(r.num_tokens for r in requests)
         self.compute_s_total += elapsed
         self.tokens_total += tokens
+        self.throughput.add(len(requests), tokens, elapsed)
         self.metrics.batch_size.observe(len(requests))
         self.metrics.batch_tokens.observe(tokens)
         self.metrics.compute_ms.observe(elapsed * 1000)
         for pkg in packages:
             self.metrics.kv_bytes.observe(pkg.kv_nbytes)
         return packages
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """This replica's load for ``deployments.autoscaling.PrefillPolicy``."""
+        return {
+            autoscaling.PREFILL_WAITING_TOKENS: float(self.waiting_tokens),
+            autoscaling.PREFILL_WAITING_REQUESTS: float(self.waiting_requests),
+            autoscaling.PREFILL_TOKENS_PER_S: self.throughput.tokens_per_s,
+            autoscaling.PREFILL_MEAN_PROMPT_TOKENS: self.throughput.mean_prompt_tokens,
+            autoscaling.PREFILL_LATENCY_MS: self.latency.value_ms(),
+        }
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -86,6 +103,7 @@ class PrefillServer:
             "completed": self.completed,
             "tokens_total": self.tokens_total,
             "compute_s_total": self.compute_s_total,
+            "autoscaling": self.record_autoscaling_stats(),
         }
 
     def ping(self) -> str:
