@@ -1,0 +1,122 @@
+"""One streaming request to an OpenAI-compatible server, timed the way ``vllm bench serve``
+times it: TTFT at the first chunk with non-empty content, ITL between content chunks, output
+tokens from the final usage chunk (``stream_options.include_usage``), else chunks counted."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from load_tests.metrics import RequestRecord
+
+ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+LOCAL_HOSTS = frozenset({"localhost"})
+
+
+def is_local_url(url: str) -> bool:
+    """True when ``url`` points at this machine's loopback interface."""
+    host = urlsplit(url).hostname or ""
+    if host in LOCAL_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _content(chunk: dict[str, Any], endpoint: str) -> str:
+    text = ""
+    for choice in chunk.get("choices") or ():
+        if endpoint == "chat":
+            text += (choice.get("delta") or {}).get("content") or ""
+        else:
+            text += choice.get("text") or ""
+    return text
+
+
+def _error_message(payload: Any, status: int | None = None) -> str:
+    err = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(err, dict):
+        msg = f"{err.get('type') or 'error'}: {err.get('message')}"
+    elif err is not None:
+        msg = str(err)
+    else:
+        msg = str(payload)[:200]
+    return f"HTTP {status}: {msg}" if status is not None else msg
+
+
+async def send_streaming(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                         endpoint: str, request_class: str, run_start: float,
+                         prompt_tokens: int | None = None) -> RequestRecord:
+    """Send one streaming request and time it; never raises for a failed request.
+
+    ``run_start`` is the ``time.perf_counter()`` the run started at; record times are relative
+    to it.
+    """
+    sent = time.perf_counter()
+    rec = RequestRecord(request_class, sent - run_start, prompt_tokens=prompt_tokens)
+    first: float | None = None
+    last_content: float | None = None
+    chunks = 0
+    usage_tokens: int | None = None
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                try:
+                    payload: Any = json.loads(raw)
+                except ValueError:
+                    payload = raw.decode(errors="replace")
+                rec.error = _error_message(payload, resp.status_code)
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, event: lines
+                now = time.perf_counter()
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = "stream error: " + _error_message(chunk)
+                    return rec
+                if _content(chunk, endpoint):
+                    chunks += 1
+                    if first is None:
+                        first = now
+                    else:
+                        assert last_content is not None
+                        rec.itl_s.append(now - last_content)
+                    last_content = now
+                usage = chunk.get("usage")
+                if usage:
+                    usage_tokens = usage.get("completion_tokens")
+                    rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+        end = time.perf_counter()
+    except httpx.HTTPError as exc:
+        rec.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return rec
+    except (ValueError, KeyError, TypeError) as exc:
+        rec.error = f"bad response: {exc}"
+        return rec
+    rec.e2e_s = end - sent
+    # a response without any content (an empty answer) has its first token at the end
+    rec.ttft_s = (first if first is not None else end) - sent
+    rec.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    rec.ok = True
+    return rec
+
+
+async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model id the server lists (``GET /v1/models``)."""
+    resp = await client.get(base_url.rstrip("/") + "/v1/models")
+    resp.raise_for_status()
+    data = resp.json().get("data") or []
+    if not data:
+        raise RuntimeError(f"{base_url} lists no models; pass --model")
+    return str(data[0]["id"])
