@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.splitserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit run generate lint bench
+.PHONY: setup test test-unit run run-colocated generate lint bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ test-unit: setup
 
 run: setup
 	$(PY) -m deployments.run_local --config serve_configs/local.yaml
+
+run-colocated: setup
+	$(PY) -m deployments.run_local --config serve_configs/local-colocated.yaml
 
 generate: setup
 	$(PY) -m app generate --chat --prompt "Explain in two sentences why the sky is blue." --max-tokens 96

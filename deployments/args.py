@@ -138,7 +138,8 @@ class IngressArgs(BaseModel):
 
 
 class AppArgs(BaseModel):
-    """Arguments of the split app (``deployments.builder:build_app``)."""
+    """Arguments of the app (``deployments.builder:build_app``): split, or the colocated
+    baseline with ``mode: colocated``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -169,6 +170,14 @@ class AppArgs(BaseModel):
     prefill: PhaseArgs = Field(default_factory=_default_prefill, description="Prefill phase.")
     decode: PhaseArgs = Field(default_factory=_default_decode, description="Decode phase.")
     ingress: IngressArgs = Field(default_factory=IngressArgs, description="HTTP/handle ingress.")
+    mode: Literal["split", "colocated"] = Field(
+        "split", description="'split': prefill and decode deployments, each KV cache through "
+        "the object store. 'colocated': the baseline, one deployment (see colocated) runs both "
+        "phases on the same cores, prefilling new prompts between its decode steps; prefill "
+        "and decode settings are then unused, the engine limits are the same.")
+    colocated: PhaseArgs = Field(
+        default_factory=PhaseArgs, description="Placement and scale of the colocated "
+        "deployment (mode: colocated).")
     cache_dir: str | None = Field(None, description="Where converted GGUF models are cached.")
 
     @field_validator("dtype", "kv_dtype")
@@ -184,6 +193,8 @@ class AppArgs(BaseModel):
         for phase in ("prefill", "decode"):
             self.engine_config(phase)
             self.policy_kwargs(phase)
+        if self.mode == "colocated":
+            self.engine_config("colocated")
         return self
 
     @property
@@ -191,7 +202,8 @@ class AppArgs(BaseModel):
         return self.served_model_name or self.model
 
     def engine_config(self, phase: str) -> EngineConfig:
-        args = self.prefill if phase == "prefill" else self.decode
+        """The engine of one deployment: ``prefill``, ``decode`` or ``colocated``."""
+        args = {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[phase]
         try:
             return EngineConfig(
                 model=self.model,

@@ -104,14 +104,17 @@ class RequestTrace:
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle,
+    def __init__(self, prefill: DeploymentHandle | None, decode: DeploymentHandle,
                  args: dict[str, Any]) -> None:
+        """``decode`` streams tokens; in the colocated app (``mode: colocated``) it is the
+        ColocatedServer, which prefills every prompt itself, and ``prefill`` is None."""
         from transformers import AutoConfig
 
         self.args = AppArgs.model_validate(args)
         cfg = self.args.engine_config("prefill")
         self.prefill = prefill
         self.decode = decode
+        self.colocated = self.args.mode == "colocated"
         self.tokenizer = load_tokenizer(cfg)
         self.prompts = PromptBuilder(self.tokenizer)
         model_cfg = AutoConfig.from_pretrained(
@@ -159,8 +162,8 @@ class Ingress:
     async def _token_events(self, preq: PrefillRequest,
                             trace: RequestTrace | None) -> AsyncIterator[TokenEvent]:
         ref: ray.ObjectRef | None = None
-        if preq.num_tokens < self.args.local_prefill_threshold:
-            # short prompt: the decode replica prefills it itself, no KV hop
+        if self.colocated or preq.num_tokens < self.args.local_prefill_threshold:
+            # colocated app, or a short prompt: the decode replica prefills it itself, no hop
             stream = self.decode.options(stream=True).generate_local.remote(preq)
         else:
             ref = await self.prefill.prefill.remote(preq)._to_object_ref()
@@ -320,7 +323,8 @@ class Ingress:
     # ---- Python handle API ---------------------------------------------------------------
 
     async def readiness(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        """Ready when both phases answer a ping through their handles."""
+        """Ready when both phases (or the colocated server) answer a ping through their
+        handles."""
         async def ping(handle: DeploymentHandle) -> bool:
             try:
                 await asyncio.wait_for(handle.ping.remote(), timeout_s)
@@ -328,6 +332,9 @@ class Ingress:
             except Exception:
                 return False
 
+        if self.colocated:
+            ok = await ping(self.decode)
+            return {"ready": ok, "colocated": ok}
         prefill_ok, decode_ok = await asyncio.gather(ping(self.prefill), ping(self.decode))
         return {"ready": prefill_ok and decode_ok, "prefill": prefill_ok, "decode": decode_ok}
 
