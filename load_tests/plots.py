@@ -8,7 +8,6 @@ Also a small CLI to overlay result files (e.g. split vs colocated)::
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
+
+from load_tests.compare import load as load_results
 
 LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E latency"))
 
@@ -97,7 +98,7 @@ def plot_goodput_vs_rate(sweeps: Mapping[str, Sequence[tuple[float, Mapping[str,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Overlay load-generator results.")
-    parser.add_argument("results", nargs="+", help="LABEL=path/to/results.json")
+    parser.add_argument("results", nargs="+", help="LABEL=results.json or its directory")
     parser.add_argument("--out", required=True, help="PNG to write")
     parser.add_argument("--class", dest="request_class", default=None,
                         help="compare this class's latency CDFs (default: all requests)")
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         label, sep, file = item.partition("=")
         if not sep:
             parser.error(f"{item!r}: expected LABEL=PATH")
-        loaded[label] = json.loads(Path(file).read_text())
+        loaded[label] = load_results(file)
     if args.goodput:
         sweeps = {label: [(run["rate"], run["summary"]["overall"]) for run in res["runs"]]
                   for label, res in loaded.items()}

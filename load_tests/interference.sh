@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Experiment 1 of issue 5, interference: steady decode streams (64-token prompts, 256-token
+# outputs) while 1024-token prompts arrive. For the split app (serve_configs/local.yaml) and
+# the colocated baseline (serve_configs/local-colocated.yaml), each on a fresh local Ray
+# head: decode-class TPOT/ITL with the long prompts arriving, against the same streams
+# undisturbed.
+#
+#   flock /tmp/splitserve-ray-cluster.lock load_tests/interference.sh
+#
+# Knobs (environment): STREAMS (concurrent decode streams, 4), DOC_RATE (long prompts/s,
+# 0.2), DOCS (long prompts per run, 8), CONFIGS ("local local-colocated"), OUT.
+# Starts its own Ray head, so no other Ray may run here; stops everything on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=.venv/bin/python
+BIN=.venv/bin
+STREAMS=${STREAMS:-4}
+DOC_RATE=${DOC_RATE:-0.2}
+DOCS=${DOCS:-8}
+CONFIGS=${CONFIGS:-"local local-colocated"}
+OUT=${OUT:-load_tests/results/interference-$(date +%Y%m%d-%H%M%S)}
+URL=http://127.0.0.1:8000
+mkdir -p "$OUT"
+
+if "$BIN/ray" status >/dev/null 2>&1; then
+  echo "a Ray cluster is already running here; stop it first (ray stop)" >&2
+  exit 1
+fi
+
+serve_pid=""
+cleanup() {
+  if [[ -n "$serve_pid" ]] && kill -0 "$serve_pid" 2>/dev/null; then
+    "$BIN/serve" shutdown -y >/dev/null 2>&1 || true
+    kill -INT "$serve_pid" 2>/dev/null || true
+    wait "$serve_pid" 2>/dev/null || true
+  fi
+  "$BIN/ray" stop >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+
+"$BIN/ray" start --head --resources='{"prefill_accel": 2, "decode_accel": 2}' --num-cpus 4 \
+  --include-dashboard=false --disable-usage-stats >"$OUT/ray-start.log" 2>&1
+
+wait_ready() {
+  for _ in $(seq 600); do
+    if curl -sf "$URL/health" >/dev/null 2>&1; then return 0; fi
+    if ! kill -0 "$serve_pid" 2>/dev/null; then echo "serve run exited" >&2; return 1; fi
+    sleep 1
+  done
+  echo "app not ready" >&2
+  return 1
+}
+
+DECODE="name=decode,input=64,output=256,concurrency=$STREAMS"
+for cfg in $CONFIGS; do
+  echo "== $cfg"
+  PYTHONPATH=$PWD "$BIN/serve" run "serve_configs/$cfg.yaml" >"$OUT/$cfg-serve.log" 2>&1 &
+  serve_pid=$!
+  wait_ready
+  # undisturbed: two rounds of the decode streams, nothing else
+  "$PY" -m load_tests.loadgen --base-url "$URL" --endpoint completions --label "$cfg" \
+    --class "$DECODE,n=$((2 * STREAMS))" --warmup 1 --duration 300 --no-progress \
+    --out "$OUT/$cfg-undisturbed" | tee "$OUT/$cfg-undisturbed.txt"
+  # loaded: the same streams, kept going while DOCS long prompts arrive at DOC_RATE
+  "$PY" -m load_tests.loadgen --base-url "$URL" --endpoint completions --label "$cfg" \
+    --class "$DECODE,n=1000,background=1" \
+    --class "name=docs,input=1024,output=16,rate=$DOC_RATE,n=$DOCS" \
+    --duration 300 --no-progress \
+    --out "$OUT/$cfg-loaded" | tee "$OUT/$cfg-loaded.txt"
+  "$BIN/serve" shutdown -y >/dev/null 2>&1 || true
+  kill -INT "$serve_pid" 2>/dev/null || true
+  wait "$serve_pid" 2>/dev/null || true
+  serve_pid=""
+done
+
+args=()
+for cfg in $CONFIGS; do
+  args+=("$cfg undisturbed=$OUT/$cfg-undisturbed" "$cfg loaded=$OUT/$cfg-loaded")
+done
+{
+  echo "decode class"
+  "$PY" -m load_tests.compare --class decode "${args[@]}"
+  echo
+  echo "docs class"
+  "$PY" -m load_tests.compare --class docs "${args[@]}"
+} | tee "$OUT/summary.md"
+"$PY" -m load_tests.plots --class decode --out "$OUT/decode_latency_cdf.png" "${args[@]}"
+echo "results in $OUT"
