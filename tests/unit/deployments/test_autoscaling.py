@@ -322,3 +322,17 @@ def test_local_prefill_threshold_is_validated():
     assert AppArgs.model_validate({"local_prefill_threshold": 64}).local_prefill_threshold == 64
     with pytest.raises(ValidationError, match="local_prefill_threshold"):
         AppArgs.model_validate({"local_prefill_threshold": -1})
+
+
+def test_gpu_cluster_config_scales_each_phase_on_its_own_policy():
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(__file__).parents[3] / "serve_configs" / "gpu-cluster.yaml"
+    args = AppArgs.model_validate(yaml.safe_load(path.read_text())["applications"][0]["args"])
+    for phase, policy in (("prefill", "PrefillPolicy"), ("decode", "DecodePolicy")):
+        config = AutoscalingConfig(**args.deployment_options(phase)["autoscaling_config"])
+        assert config.policy.policy_function == f"deployments.autoscaling:{policy}"
+        assert config.max_replicas > config.min_replicas
+    assert args.deployment_options("decode")["graceful_shutdown_timeout_s"] >= 600
