@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Experiment 1 of issue 5, interference: steady decode streams (64-token prompts, 256-token
 # outputs) while 1024-token prompts arrive. For the split app (serve_configs/local.yaml) and
-# the colocated baseline (serve_configs/local-colocated.yaml), each on a fresh local Ray
+# the colocated baseline (serve_configs/local-colocated.yaml), one after the other on a local Ray
 # head: decode-class TPOT/ITL with the long prompts arriving, against the same streams
 # undisturbed.
 #
 #   flock /tmp/splitserve-ray-cluster.lock load_tests/interference.sh
 #
-# Knobs (environment): STREAMS (concurrent decode streams, 4), DOC_RATE (long prompts/s,
-# 0.2), DOCS (long prompts per run, 8), CONFIGS ("local local-colocated"), OUT.
+# Knobs (environment): STREAMS (concurrent decode streams, 4; each run sends two rounds),
+# DOC_RATE (long prompts/s, 0.2), MAX_DOCS (bound on long prompts, 100), CONFIGS
+# ("local local-colocated"), OUT.
 # Starts its own Ray head, so no other Ray may run here; stops everything on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ PY=.venv/bin/python
 BIN=.venv/bin
 STREAMS=${STREAMS:-4}
 DOC_RATE=${DOC_RATE:-0.2}
-DOCS=${DOCS:-8}
+MAX_DOCS=${MAX_DOCS:-100}
 CONFIGS=${CONFIGS:-"local local-colocated"}
 OUT=${OUT:-load_tests/results/interference-$(date +%Y%m%d-%H%M%S)}
 URL=http://127.0.0.1:8000
@@ -28,13 +29,14 @@ if "$BIN/ray" status >/dev/null 2>&1; then
   exit 1
 fi
 
-serve_pid=""
+# `serve shutdown` needs the dashboard, which this head does not run: shut Serve down from
+# a driver instead.
+serve_shutdown() {
+  "$PY" -c "import ray; from ray import serve; ray.init(address='auto', \
+logging_level='ERROR'); serve.shutdown()" >/dev/null 2>&1 || true
+}
 cleanup() {
-  if [[ -n "$serve_pid" ]] && kill -0 "$serve_pid" 2>/dev/null; then
-    "$BIN/serve" shutdown -y >/dev/null 2>&1 || true
-    kill -INT "$serve_pid" 2>/dev/null || true
-    wait "$serve_pid" 2>/dev/null || true
-  fi
+  serve_shutdown
   "$BIN/ray" stop >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
@@ -45,7 +47,6 @@ trap cleanup EXIT
 wait_ready() {
   for _ in $(seq 600); do
     if curl -sf "$URL/health" >/dev/null 2>&1; then return 0; fi
-    if ! kill -0 "$serve_pid" 2>/dev/null; then echo "serve run exited" >&2; return 1; fi
     sleep 1
   done
   echo "app not ready" >&2
@@ -55,23 +56,21 @@ wait_ready() {
 DECODE="name=decode,input=64,output=256,concurrency=$STREAMS"
 for cfg in $CONFIGS; do
   echo "== $cfg"
-  PYTHONPATH=$PWD "$BIN/serve" run "serve_configs/$cfg.yaml" >"$OUT/$cfg-serve.log" 2>&1 &
-  serve_pid=$!
+  PYTHONPATH=$PWD "$BIN/serve" run --non-blocking "serve_configs/$cfg.yaml" \
+    >"$OUT/$cfg-serve.log" 2>&1
   wait_ready
   # undisturbed: two rounds of the decode streams, nothing else
   "$PY" -m load_tests.loadgen --base-url "$URL" --endpoint completions --label "$cfg" \
     --class "$DECODE,n=$((2 * STREAMS))" --warmup 1 --duration 300 --no-progress \
     --out "$OUT/$cfg-undisturbed" | tee "$OUT/$cfg-undisturbed.txt"
-  # loaded: the same streams, kept going while DOCS long prompts arrive at DOC_RATE
+  # loaded: the same streams while long prompts keep arriving at DOC_RATE, until the last
+  # stream ends (docs are the background class: they stop once the decode streams are done)
   "$PY" -m load_tests.loadgen --base-url "$URL" --endpoint completions --label "$cfg" \
-    --class "$DECODE,n=1000,background=1" \
-    --class "name=docs,input=1024,output=16,rate=$DOC_RATE,n=$DOCS" \
+    --class "$DECODE,n=$((2 * STREAMS))" \
+    --class "name=docs,input=1024,output=16,rate=$DOC_RATE,n=$MAX_DOCS,background=1" \
     --duration 300 --no-progress \
     --out "$OUT/$cfg-loaded" | tee "$OUT/$cfg-loaded.txt"
-  "$BIN/serve" shutdown -y >/dev/null 2>&1 || true
-  kill -INT "$serve_pid" 2>/dev/null || true
-  wait "$serve_pid" 2>/dev/null || true
-  serve_pid=""
+  serve_shutdown
 done
 
 args=()

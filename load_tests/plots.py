@@ -48,8 +48,8 @@ def plot_latency_cdfs(series: Mapping[str, Sequence[Mapping[str, Any]]], path: s
             vals = _values(requests, key)
             if not vals:
                 continue
-            ys = [(i + 1) / len(vals) for i in range(len(vals))]
-            ax.step(vals, ys, where="post", label=f"{name} (n={len(vals)})")
+            ys = [0.0] + [(i + 1) / len(vals) for i in range(len(vals))]
+            ax.step([vals[0], *vals], ys, where="post", label=f"{name} (n={len(vals)})")
             drawn = True
         ax.set_title(label)
         ax.set_xlabel("ms")
