@@ -201,6 +201,7 @@ class DecodeLoop:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.last_step_at = time.monotonic()
+        self.step_started_at: float | None = None  # monotonic start of the running step
         self.step_times: deque[float] = deque(maxlen=256)
 
     @property
@@ -288,6 +289,7 @@ class DecodeLoop:
                 continue
             start = time.perf_counter()
             self._apply_pending()  # on the loop thread, while no step runs
+            self.step_started_at = time.monotonic()
             try:
                 touched = await asyncio.to_thread(self.decoder.step)
             except Exception as exc:  # a failed step must not strand any stream
@@ -296,6 +298,8 @@ class DecodeLoop:
                     self._deliver(TokenEvent(seq.request_id, None, seq.next_step,
                                              FinishReason.ERROR.value, error=str(exc)))
                 continue
+            finally:
+                self.step_started_at = None
             elapsed = time.perf_counter() - start
             self.last_step_at = time.monotonic()
             if touched:
@@ -316,6 +320,17 @@ class DecodeLoop:
         queue = self._queues.get(event.request_id)
         if queue is not None:
             queue.put_nowait(event)
+
+    def stalled_s(self) -> float:
+        """How long the loop has been stuck: the age of a step still running, infinite when
+        the loop task died with work left, else 0."""
+        started = self.step_started_at
+        if started is not None:
+            return time.monotonic() - started
+        has_work = bool(self._pending_adds or self.decoder.has_work)
+        if has_work and self._task is not None and self._task.done():
+            return float("inf")
+        return 0.0
 
     async def close(self) -> None:
         if self._task is not None:

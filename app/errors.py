@@ -68,3 +68,44 @@ class ModelLoadError(EngineError):
 
     error_type = "server_error"
     status_code = 500
+
+
+class ServiceUnavailableError(EngineError):
+    """A phase is overloaded or unreachable right now (HTTP 503 with Retry-After)."""
+
+    error_type = "service_unavailable_error"
+    status_code = 503
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0,
+                 code: str = "service_unavailable") -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeoutError(EngineError):
+    """The request ran past the server's request timeout; its work was stopped (HTTP 504)."""
+
+    error_type = "timeout_error"
+    status_code = 504
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="request_timeout")
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    """The request body is over the size limit (HTTP 413)."""
+
+    status_code = 413
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="payload_too_large")
+
+
+class AuthenticationError(EngineError):
+    """Missing or wrong API key (HTTP 401)."""
+
+    error_type = "authentication_error"
+    status_code = 401
+
+    def __init__(self, message: str = "missing or invalid API key") -> None:
+        super().__init__(message, code="invalid_api_key")

@@ -87,6 +87,13 @@ class PhaseArgs(BaseModel):
     graceful_shutdown_wait_loop_s: float = Field(
         1.0, gt=0, description="How often a stopping replica checks that its in-flight "
         "requests are done.")
+    max_queued_requests: int = Field(
+        256, ge=1, description="Requests Serve queues for this phase (beyond those the "
+        "replicas hold) before refusing at once; the client then gets 503 + Retry-After.")
+    health_check_period_s: float = Field(
+        5.0, gt=0, description="How often Serve runs the replica's health check.")
+    health_check_timeout_s: float = Field(
+        30.0, gt=0, description="A health check slower than this fails the replica.")
 
     def ray_actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus}
@@ -104,6 +111,9 @@ class PhaseArgs(BaseModel):
             "max_ongoing_requests": self.max_ongoing_requests,
             "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
             "graceful_shutdown_wait_loop_s": self.graceful_shutdown_wait_loop_s,
+            "max_queued_requests": self.max_queued_requests,
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
         }
         if self.autoscaling_config is not None:
             opts["autoscaling_config"] = self.autoscaling_config
@@ -128,7 +138,18 @@ class IngressArgs(BaseModel):
         None, description="Custom resource the ingress asks for (pins it, e.g. to the head).")
     num_replicas: int = Field(1, ge=1, description="Ingress replicas (CPU only, no weights).")
     max_ongoing_requests: int = Field(
-        256, ge=1, description="Requests one ingress replica holds at once.")
+        1024, ge=1, description="Requests one ingress replica holds at once (Serve's bound; "
+        "max_in_flight answers 429 before it is reached).")
+    max_queued_requests: int = Field(
+        256, ge=1, description="Requests the proxy queues for the ingress before 503.")
+    max_in_flight: int = Field(
+        512, ge=1, description="Requests the ingress serves at once; past it, new requests "
+        "get 429 with Retry-After at once.")
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, description="Largest request body accepted; larger gets 413.")
+    api_key: str | None = Field(
+        None, description="If set (or if the SPLITSERVE_API_KEY environment variable is set "
+        "in the ingress replica), every route but /health needs 'Authorization: Bearer KEY'.")
 
     def ray_actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus}
@@ -179,6 +200,20 @@ class AppArgs(BaseModel):
         default_factory=PhaseArgs, description="Placement and scale of the colocated "
         "deployment (mode: colocated).")
     cache_dir: str | None = Field(None, description="Where converted GGUF models are cached.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="A request running longer is ended with a 504 (an error "
+        "event on a stream) and its prefill/decode work is cancelled.")
+    max_retries: int = Field(
+        2, ge=0, description="Times one request may be re-run after a replica or its node "
+        "dies (re-prefill, resume on another decode replica) before the client gets an error.")
+    retry_backoff_s: float = Field(
+        0.5, ge=0, description="Wait before each retry (doubles each time).")
+    decode_stall_timeout_s: float = Field(
+        60.0, gt=0, description="A decode replica with work whose loop has not finished a "
+        "step for this long fails its health check, so Serve replaces it.")
+    enable_fault_injection: bool = Field(
+        False, description="Expose replica methods that stall or crash the engine, for fault "
+        "tests only. Never enable in production.")
 
     @field_validator("dtype", "kv_dtype")
     @classmethod

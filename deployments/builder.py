@@ -24,6 +24,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     ingress = Ingress.options(
         num_replicas=parsed.ingress.num_replicas,
         max_ongoing_requests=parsed.ingress.max_ongoing_requests,
+        max_queued_requests=parsed.ingress.max_queued_requests,
         ray_actor_options=parsed.ingress.ray_actor_options(),
     )
     if parsed.mode == "colocated":

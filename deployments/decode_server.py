@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,6 +20,22 @@ from app.sequence import PrefillRequest
 from deployments import autoscaling
 from deployments.args import AppArgs
 from deployments.metrics import DecodeMetrics
+
+
+async def inject_fault(args: AppArgs, core: EngineCore, kind: str, seconds: float) -> str:
+    """Shared by the phase servers: refuse unless fault injection is enabled in the args."""
+    if not args.enable_fault_injection:
+        raise PermissionError("fault injection is disabled (enable_fault_injection: false)")
+    if kind == "crash":
+        os._exit(1)
+    if kind == "stall":
+        def hold() -> None:
+            with core.runner.lock:
+                time.sleep(seconds)
+
+        asyncio.get_running_loop().run_in_executor(None, hold)
+        return "stalling"
+    raise ValueError(f"unknown fault {kind!r}; expected 'stall' or 'crash'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,3 +176,17 @@ class DecodeServer:
 
     def ping(self) -> str:
         return self.node_id
+
+    def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; raising makes Serve replace the
+        replica. A decode loop wedged in one step (or dead with work left) fails it."""
+        stalled = self.loop.stalled_s()
+        if stalled > self.args.decode_stall_timeout_s:
+            raise RuntimeError(
+                f"decode loop stalled for {stalled:.0f}s (limit "
+                f"{self.args.decode_stall_timeout_s:g}s) with {self.loop.num_active} streams")
+
+    async def inject_fault(self, kind: str, seconds: float = 0.0) -> str:
+        """Fault tests only (``enable_fault_injection``): ``stall`` wedges the decode loop
+        for ``seconds`` by holding the model; ``crash`` kills this replica's process."""
+        return await inject_fault(self.args, self.core, kind, seconds)

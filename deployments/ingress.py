@@ -6,8 +6,11 @@ ObjectRef, never its bytes), hands that ref to decode, and detokenizes the token
 
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` type.
 import asyncio
+import dataclasses
+import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,9 +25,18 @@ from ray.serve.handle import DeploymentHandle
 
 from app.chat import PromptBuilder
 from app.decode import TokenEvent
-from app.errors import EngineError, InvalidRequestError, ModelNotFoundError
+from app.errors import (
+    AuthenticationError,
+    EngineError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    QueueFullError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
 from app.model_loader import load_tokenizer, local_model_dir, resolve_model
-from app.output import StreamDelta, text_deltas
+from app.output import GenerationFailed, StreamDelta, text_deltas
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,6 +53,35 @@ from deployments.metrics import IngressMetrics
 logger = logging.getLogger(__name__)
 
 api = FastAPI(title="splitserve", description="OpenAI-compatible API over split prefill/decode")
+api.state.api_key = None
+
+_OPEN_PATHS = frozenset({"/health"})
+
+
+@api.middleware("http")
+async def require_api_key(request: Request, call_next):
+    """With an API key configured, every route but /health needs it as a bearer token."""
+    key = getattr(request.app.state, "api_key", None)
+    path = request.url.path
+    root = request.scope.get("root_path", "")  # the app's route prefix under Serve
+    if root and path.startswith(root):
+        path = path[len(root):]
+    if key and path not in _OPEN_PATHS:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return error_response(AuthenticationError())
+    return await call_next(request)
+
+
+# A replica, its worker or its node went away, or the KV object was lost with them: the
+# request can be re-run elsewhere (ARCHITECTURE.md, failure policy).
+RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (
+    ray.exceptions.RayActorError,  # ActorDiedError, ActorUnavailableError
+    ray.exceptions.ObjectLostError,  # OwnerDiedError, ObjectReconstructionFailedError...
+    ray.exceptions.WorkerCrashedError,
+    ray.exceptions.NodeDiedError,
+    serve.exceptions.DeploymentUnavailableError,
+)
 
 
 def unwrap_error(exc: BaseException) -> BaseException:
@@ -48,7 +89,14 @@ def unwrap_error(exc: BaseException) -> BaseException:
     cause = getattr(exc, "cause", None)
     if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
         return cause
+    if isinstance(exc, serve.exceptions.BackPressureError):
+        return ServiceUnavailableError(f"a phase is at capacity: {exc}", retry_after_s=1.0,
+                                       code="backpressure")
     return exc
+
+
+def is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, RETRYABLE_ERRORS) or isinstance(unwrap_error(exc), RETRYABLE_ERRORS)
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -126,10 +174,18 @@ class Ingress:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.metrics = IngressMetrics()
         self.in_flight = 0
+        self.retries = 0
+        self.api_key = self.args.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
+        api.state.api_key = self.api_key
+        api.state.max_body_bytes = self.args.ingress.max_body_bytes
 
     # ---- request preparation -------------------------------------------------------------
 
     def _prepare(self, kind: str, body: Any) -> tuple[Any, PrefillRequest]:
+        if self.in_flight >= self.args.ingress.max_in_flight:
+            raise QueueFullError(
+                f"the server is at capacity ({self.in_flight} requests in flight); retry later",
+                retry_after_s=1.0)
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
@@ -162,11 +218,17 @@ class Ingress:
     async def _token_events(self, preq: PrefillRequest,
                             trace: RequestTrace | None) -> AsyncIterator[TokenEvent]:
         ref: ray.ObjectRef | None = None
+        prefill_call = None
         if self.colocated or preq.num_tokens < self.args.local_prefill_threshold:
             # colocated app, or a short prompt: the decode replica prefills it itself, no hop
             stream = self.decode.options(stream=True).generate_local.remote(preq)
         else:
-            ref = await self.prefill.prefill.remote(preq)._to_object_ref()
+            prefill_call = self.prefill.prefill.remote(preq)
+            try:
+                ref = await prefill_call._to_object_ref()
+            except BaseException:
+                prefill_call.cancel()  # client gone or timed out: drop the queued prompt
+                raise
             # the list keeps Ray from resolving the ref here: decode resolves it on its node
             stream = self.decode.options(stream=True).generate.remote([ref])
         try:
@@ -179,10 +241,72 @@ class Ingress:
                             trace.kv_locations = list(loc.get("node_ids", []))
                             trace.kv_object_size = loc.get("object_size")
                     ref = None  # decode holds the package: let the object go
+                    prefill_call = None
                     continue
                 yield item
         finally:
             stream.cancel()
+            if prefill_call is not None:
+                prefill_call.cancel()  # a prompt still queued for prefill is dropped
+
+    async def _resilient_events(self, preq: PrefillRequest,
+                                trace: RequestTrace | None) -> AsyncIterator[TokenEvent]:
+        """The token stream of ``preq``, surviving replica and node failures and bounded in
+        time.
+
+        When a prefill or decode replica (or its node, or the KV object) is lost, the request
+        is prefilled again with the prompt plus the tokens already delivered and resumes on
+        another decode replica: sampling continues at the same output index, so the client
+        sees no missing and no duplicated token (greedy: the undisturbed text). After
+        ``max_retries`` re-runs, or past ``request_timeout_s``, it ends with an error.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.args.request_timeout_s
+        delivered: list[int] = []
+        attempt = 0
+        current = preq
+        while True:
+            events = self._token_events(current, trace).__aiter__()
+            try:
+                while True:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise TimeoutError
+                    try:
+                        event = await asyncio.wait_for(events.__anext__(), remaining)
+                    except StopAsyncIteration:
+                        return
+                    if event.token_id is not None:
+                        delivered.append(event.token_id)
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"request {preq.request_id} took longer than the server's request timeout "
+                    f"({self.args.request_timeout_s:g} s); its work was stopped") from None
+            except Exception as exc:
+                if not is_retryable(exc):
+                    raise
+                if attempt >= self.args.max_retries:
+                    raise GenerationFailed(
+                        f"request {preq.request_id} failed after {attempt} retries: "
+                        f"{type(unwrap_error(exc)).__name__}") from exc
+                attempt += 1
+                self.retries += 1
+                logger.warning("request %s: %s; retry %d/%d with %d tokens delivered",
+                               preq.request_id, type(unwrap_error(exc)).__name__, attempt,
+                               self.args.max_retries, len(delivered))
+                current = PrefillRequest(
+                    f"{preq.request_id}-retry{attempt}",
+                    preq.prompt_token_ids + tuple(delivered),
+                    dataclasses.replace(preq.sampling,
+                                        max_tokens=preq.sampling.max_tokens - len(delivered)),
+                    output_offset=len(delivered),
+                )
+                await asyncio.sleep(self.args.retry_backoff_s * 2 ** (attempt - 1))
+            finally:
+                await events.aclose()
 
     async def _deltas(self, preq: PrefillRequest,
                       trace: RequestTrace | None = None) -> AsyncIterator[StreamDelta]:
@@ -191,8 +315,8 @@ class Ingress:
         self.metrics.in_flight.set(self.in_flight)
         n_tokens = 0
         try:
-            async for delta in text_deltas(self._token_events(preq, trace), self.tokenizer,
-                                           preq.sampling):
+            async for delta in text_deltas(self._resilient_events(preq, trace),
+                                           self.tokenizer, preq.sampling):
                 t = time.perf_counter()
                 if trace.first_token is None:
                     trace.first_token = t
@@ -255,8 +379,7 @@ class Ingress:
                    "model": self.model_name, "choices": [],
                    "usage": usage_dict(preq.num_tokens, n_out)}
 
-    async def _stream_response(self, kind: str, request: Request):
-        body = await self._read_json(request)
+    async def _stream_response(self, kind: str, body: dict[str, Any]):
         req, preq = self._prepare(kind, body)
         chunks = self._chunks(kind, req, preq, self._deltas(preq))
         # Wait for the first chunk before answering, so a failure to start (queue full, a
@@ -284,7 +407,15 @@ class Ingress:
                                  headers={"Cache-Control": "no-cache"})
 
     async def _read_json(self, request: Request) -> Any:
-        raw = await request.body()
+        limit = self.args.ingress.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLargeError(f"the request body is over {limit} bytes")
+        raw = b""
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise PayloadTooLargeError(f"the request body is over {limit} bytes")
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -294,7 +425,7 @@ class Ingress:
         try:
             body = await self._read_json(request)
             if isinstance(body, dict) and body.get("stream") is True:
-                return await self._stream_response(kind, request)
+                return await self._stream_response(kind, body)
             return JSONResponse(await self._complete(kind, body))
         except Exception as exc:
             return error_response(exc)

@@ -18,6 +18,7 @@ from app.local_engine import EngineCore
 from app.sequence import PrefillRequest
 from deployments import autoscaling
 from deployments.args import AppArgs
+from deployments.decode_server import inject_fault
 from deployments.metrics import PrefillMetrics
 
 
@@ -108,3 +109,8 @@ class PrefillServer:
 
     def ping(self) -> str:
         return self.node_id
+
+    async def inject_fault(self, kind: str, seconds: float = 0.0) -> str:
+        """Fault tests only (``enable_fault_injection``): ``stall`` holds the model for
+        ``seconds``; ``crash`` kills this replica's process."""
+        return await inject_fault(self.args, self.core, kind, seconds)

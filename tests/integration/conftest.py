@@ -4,6 +4,7 @@ object store."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from dataclasses import dataclass
@@ -117,3 +118,26 @@ def split_app(split_cluster):
     serve.run(build_app(test_app_args()), name=APP, route_prefix="/", blocking=False)
     wait_ready(split_cluster.url)
     return split_cluster
+
+
+@contextlib.contextmanager
+def exclusive_app(cluster: SplitCluster, app, name: str, route_prefix: str):
+    """Deploy ``app`` alone on the cluster (other apps hold replica slots it may need); the
+    session's split app comes back afterwards if it was running."""
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    running = list(serve.status().applications)
+    for other in running:
+        serve.delete(other)
+    serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    url = cluster.url + (route_prefix.rstrip("/") if route_prefix != "/" else "")
+    try:
+        wait_ready(url, timeout_s=240)
+        yield url
+    finally:
+        serve.delete(name)
+        if APP in running:
+            serve.run(build_app(test_app_args()), name=APP, route_prefix="/", blocking=False)
+            wait_ready(cluster.url, timeout_s=240)
