@@ -57,6 +57,65 @@ api.state.api_key = None
 
 _OPEN_PATHS = frozenset({"/health"})
 
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]},
+                       "code": {"type": ["string", "null"]}},
+    }},
+}
+_COMPLETION_SCHEMA = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices", "usage"],
+    "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                   "created": {"type": "integer"}, "model": {"type": "string"},
+                   "choices": {"type": "array", "minItems": 1},
+                   "usage": {"type": "object", "required": ["prompt_tokens",
+                                                           "completion_tokens",
+                                                           "total_tokens"]}},
+}
+
+
+def _openapi_schema() -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies, which the routes parse themselves (to answer
+    bad input with OpenAI-shaped 400s rather than FastAPI's 422s), and every response."""
+    from fastapi.openapi.utils import get_openapi
+
+    if api.openapi_schema:
+        return api.openapi_schema
+    schema = get_openapi(title=api.title, version="1.0.0", description=api.description,
+                         routes=api.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["Error"] = _ERROR_SCHEMA
+    components["Completion"] = _COMPLETION_SCHEMA
+    error = {"description": "OpenAI-shaped error",
+             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for path, model in (("/v1/chat/completions", ChatCompletionRequest),
+                        ("/v1/completions", CompletionRequest)):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        op = schema["paths"][path]["post"]
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        op["responses"] = {
+            "200": {"description": "The completion, or an SSE stream when stream is true",
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Completion"}},
+                        "text/event-stream": {"schema": {"type": "string"}}}},
+            **{code: error for code in ("400", "401", "404", "413", "429", "500", "503", "504")},
+        }
+    schema["openapi"] = "3.1.0"
+    api.openapi_schema = schema
+    return schema
+
+
+api.openapi = _openapi_schema  # type: ignore[method-assign]
+
 
 @api.middleware("http")
 async def require_api_key(request: Request, call_next):
