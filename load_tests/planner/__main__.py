@@ -1,0 +1,200 @@
+"""Capacity planner CLI: ``python -m load_tests.planner {profile,simulate,search,validate}``.
+
+    # measure this machine (starts a 2-node local Ray cluster for the KV hop: hold the lock)
+    flock /tmp/splitserve-ray-cluster.lock .venv/bin/python -m load_tests.planner profile \\
+        --out load_tests/planner/data/profile-local.json
+    # simulate a workload on a fleet: measured devices or roofline presets
+    python -m load_tests.planner simulate --system split --prefill H100 --decode H100 \\
+        --num-prefill 1 --num-decode 2 --model llama-3.1-8b --rate 4 \\
+        --input-len lognormal:2048:0.6:256:8000 --output-len lognormal:256:0.6:16:1024 \\
+        --slo ttft:1000 tpot:50
+    # the best split and colocated fleets per dollar
+    python -m load_tests.planner search --hardware H100,H200,A100,L4 --model llama-3.1-8b ...
+    # predicted vs measured on real load-generator runs
+    python -m load_tests.planner validate --profile P.json --split A/results.json \\
+        --colocated B/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from load_tests.metrics import parse_slos
+from load_tests.planner import hardware, search, validate
+from load_tests.planner.hardware import DeviceProfile
+from load_tests.planner.simulator import (
+    ColocatedSystem,
+    EngineLimits,
+    SplitSystem,
+    Workload,
+    load_trace,
+    simulate,
+)
+from load_tests.workloads import LengthDist
+
+
+def _devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
+    devs: dict[str, DeviceProfile] = {}
+    if getattr(args, "profile", None):
+        from load_tests.planner.profile import load_devices
+
+        devs.update(load_devices(args.profile))
+    model = hardware.MODELS[args.model]
+    eff = hardware.Efficiency()
+    eff_hop = getattr(args, "hop_gbs", None)
+    for name, spec in hardware.HARDWARE.items():
+        try:
+            devs[name] = hardware.roofline_profile(spec, model, eff=eff, hop_gbs=eff_hop)
+        except ValueError:
+            pass  # the model does not fit this device
+    return devs
+
+
+def _limits(args: argparse.Namespace) -> EngineLimits:
+    return EngineLimits(max_batch_size=args.max_batch_size, token_budget=args.token_budget,
+                        prefill_max_rows=args.prefill_max_rows,
+                        pow2_kv=args.kv_layout == "pow2")
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    return Workload(args.rate, LengthDist.parse(args.input_len),
+                    LengthDist.parse(args.output_len), args.num_requests, args.burstiness,
+                    args.seed)
+
+
+def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
+    p.add_argument("--profile", default=None, help="measured profile JSON (devices cpu-1t, "
+                   "cpu-2t ...) besides the roofline presets")
+    p.add_argument("--model", default="llama-3.1-8b" if gpu_defaults else "smollm2-135m",
+                   choices=sorted(hardware.MODELS), help="model of the roofline presets")
+    p.add_argument("--hop-gbs", type=float, default=None,
+                   help="KV hop bandwidth GB/s for roofline devices (default: their network)")
+    p.add_argument("--input-len", default="lognormal:2048:0.6:256:8000")
+    p.add_argument("--output-len", default="lognormal:256:0.6:16:1024")
+    p.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson by default)")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--num-requests", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", nargs="+", default=["ttft:1000", "tpot:50"], metavar="NAME:MS")
+    p.add_argument("--max-batch-size", type=int, default=256 if gpu_defaults else 16)
+    p.add_argument("--token-budget", type=int, default=8192 if gpu_defaults else 4096)
+    p.add_argument("--prefill-max-rows", type=int, default=64 if gpu_defaults else 8)
+    p.add_argument("--kv-layout", choices=("pow2", "paged"),
+                   default="paged" if gpu_defaults else "pow2",
+                   help="pow2: this app's contiguous buffer; paged: vLLM-style blocks")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m load_tests.planner", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    pp = sub.add_parser("profile", help="measure this machine and write a profile JSON")
+    pp.add_argument("--out", default="load_tests/planner/data/profile-local.json")
+    pp.add_argument("--threads", default="1,2", help="torch thread counts to profile")
+    pp.add_argument("--no-hop", action="store_true", help="skip the Ray KV-hop measurement")
+    pp.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
+
+    ps = sub.add_parser("simulate", help="simulate one system on a workload or trace")
+    _common(ps, gpu_defaults=False)
+    ps.add_argument("--system", choices=("split", "colocated"), default="split")
+    ps.add_argument("--prefill", default="cpu-1t", help="device of prefill replicas")
+    ps.add_argument("--decode", default="cpu-1t", help="device of decode replicas")
+    ps.add_argument("--device", default="cpu-2t", help="device of colocated replicas")
+    ps.add_argument("--num-prefill", type=int, default=1)
+    ps.add_argument("--num-decode", type=int, default=1)
+    ps.add_argument("--num-replicas", type=int, default=1)
+    ps.add_argument("--policy", choices=("interleave", "chunked"), default="interleave")
+    ps.add_argument("--chunk-tokens", type=int, default=512)
+    ps.add_argument("--trace", default=None, help="loadgen results.json or JSONL "
+                    "{at,input,output} to replay instead of --rate/lengths")
+
+    pv = sub.add_parser("validate", help="predicted vs measured on load-generator runs")
+    pv.add_argument("--profile", required=True)
+    pv.add_argument("--split", default=None, help="results.json of the split app")
+    pv.add_argument("--colocated", default=None, help="results.json of the colocated app")
+    pv.add_argument("--slo", nargs="+", default=None, metavar="NAME:MS",
+                    help="default: the SLOs the runs were made with")
+    pv.add_argument("--json", default=None, help="also write the comparison here")
+
+    pz = sub.add_parser("search", help="best split vs colocated fleet per dollar")
+    _common(pz, gpu_defaults=True)
+    pz.add_argument("--hardware", default="H100,H200,A100,L4",
+                    help="device kinds to place phases on (presets or profile devices)")
+    pz.add_argument("--max-per-phase", type=int, default=4)
+    pz.add_argument("--budget", type=float, default=None,
+                    help="$/hour to compare at (default: the dearest candidate's price)")
+    pz.add_argument("--target", type=float, default=0.9, help="SLO attainment for goodput")
+    pz.add_argument("--plot", default=None, help="PNG of goodput vs price")
+    pz.add_argument("--json", default=None)
+
+    args = ap.parse_args(argv)
+    if args.cmd == "profile":
+        from load_tests.planner.profile import run_profile
+
+        prof = run_profile(Path(args.out), threads=[int(t) for t in args.threads.split(",")],
+                           hop=not args.no_hop, quick=args.quick)
+        print(json.dumps(prof["devices"], indent=1))
+        print(f"profile: {args.out}")
+        return 0
+    if args.cmd == "validate":
+        from load_tests.planner.profile import load_devices
+
+        results = {k: v for k, v in (("split", args.split), ("colocated", args.colocated)) if v}
+        if not results:
+            ap.error("give --split and/or --colocated results")
+        slos = parse_slos(args.slo) if args.slo else None
+        comps = validate.validate(load_devices(args.profile), results, slos)
+        print(validate.table(comps))
+        if args.json:
+            Path(args.json).write_text(json.dumps(comps, indent=1))
+        return 0
+
+    slos = parse_slos(args.slo)
+    devs = _devices(args)
+    if args.cmd == "simulate":
+        limits = _limits(args)
+        if args.system == "split":
+            system = SplitSystem(devs[args.prefill], devs[args.decode], args.num_prefill,
+                                 args.num_decode, limits)
+        else:
+            system = ColocatedSystem(devs[args.device], args.num_replicas, limits, args.policy,
+                                     args.chunk_tokens)
+        runs = load_trace(args.trace) if args.trace else [_workload(args).arrivals()]
+        for arrivals in runs:
+            s = simulate(system, arrivals).summary(slos)
+            print(f"{s['system']}: {s['requests']} requests in {s['duration_s']:.1f} s")
+            for m in ("ttft_ms", "tpot_ms", "e2e_ms"):
+                d = s[m]
+                if d["count"]:
+                    print(f"  {m[:-3]:<5} p50 {d['p50']:9.1f}  p90 {d['p90']:9.1f}  "
+                          f"p99 {d['p99']:9.1f} ms")
+            print(f"  throughput {s['request_throughput']:.2f} req/s, "
+                  f"{s['output_throughput']:.1f} tok/s; goodput {s['goodput']:.2f} req/s "
+                  f"({(s['good_fraction'] or 0) * 100:.0f}% at {slos})")
+            print(f"  ${s['cost_per_m_output_tokens']:.3f} per M output tokens, "
+                  f"{s['energy_per_request_j']:.1f} J per request")
+        return 0
+
+    kinds = [k.strip() for k in args.hardware.split(",") if k.strip()]
+    missing = [k for k in kinds if k not in devs]
+    if missing:
+        ap.error(f"unknown or unfit hardware {missing}; known: {sorted(devs)}")
+    result = search.search([devs[k] for k in kinds], _workload(args), slos,
+                           limits=_limits(args), max_per_phase=args.max_per_phase,
+                           target=args.target, log=lambda m: print(m, file=sys.stderr))
+    budget = args.budget or max(c.price_per_hour for cs in result.values() for c in cs)
+    print(search.table(result, budget))
+    if args.plot:
+        search.plot(result, args.plot, f"{args.model}, SLO {slos}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {k: [c.at_budget(budget) for c in cs] for k, cs in result.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

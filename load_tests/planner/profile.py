@@ -1,0 +1,237 @@
+"""Measure this machine: the engine's prefill and decode passes and the KV hop, as a profile.
+
+Engine passes run in this process on the app's own code (``EngineCore``: the runner, the
+prefiller with its KV packages and first-token sampling), once per thread count (a split-app
+replica uses 1 torch thread here, the colocated replica 2). The KV hop is timed on a small
+local Ray cluster (``ray.cluster_utils.Cluster``, a head plus one worker node): an actor puts a
+numpy array the size of a KV package, another actor gets it, on the same node or on the other
+one. The result is one :class:`~load_tests.planner.hardware.DeviceProfile` per thread count,
+fitted by least squares, plus the raw points, in a JSON file.
+
+Starting Ray needs the machine lock::
+
+    flock /tmp/splitserve-ray-cluster.lock python -m load_tests.planner profile --out P.json
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from load_tests.planner.hardware import DeviceProfile, Linear, PassCost
+
+PREFILL_POINTS = ((1, 16), (1, 64), (1, 128), (1, 256), (1, 512), (1, 1024), (2, 256),
+                  (4, 64), (4, 256), (8, 128))
+DECODE_POINTS = tuple((b, s) for b in (1, 2, 4, 8, 16) for s in (64, 256, 1024))
+HOP_SIZES = (1 << 10, 1 << 16, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+
+# A CPU slice has no power meter here: figures per busy / idle core are assumptions of a
+# server-class x86 core (about 10 W busy, 2 W idle), and the price is a typical on-demand
+# vCPU-hour (e.g. AWS c7i, about $0.045 per vCPU-hour in 2025).
+CPU_WATTS_BUSY_PER_CORE = 10.0
+CPU_WATTS_IDLE_PER_CORE = 2.0
+CPU_PRICE_PER_CORE_HOUR = 0.045
+
+
+def fit_linear(x1: Sequence[float], x2: Sequence[float], y: Sequence[float]) -> Linear:
+    """Least squares ``y ~ c0 + c1 x1 + c2 x2`` with non-negative slopes (a pass never gets
+    cheaper with more work: a negative slope is noise, refit without that feature)."""
+    a = np.column_stack([np.ones(len(y)), np.asarray(x1, float), np.asarray(x2, float)])
+    yv = np.asarray(y, float)
+    coef, *_ = np.linalg.lstsq(a, yv, rcond=None)
+    for drop in (2, 1):
+        if coef[drop] < 0:
+            keep = [i for i in range(3) if i != drop and (i == 0 or coef[i] >= 0)]
+            sub, *_ = np.linalg.lstsq(a[:, keep], yv, rcond=None)
+            coef = np.zeros(3)
+            coef[keep] = sub
+    return Linear(float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = None,
+                   quick: bool = False) -> dict[str, Any]:
+    """Time prefill and decode passes of the app's engine with ``num_threads`` torch threads."""
+    import torch
+
+    from app.config import DEFAULT_MODEL, EngineConfig
+    from app.local_engine import EngineCore
+    from app.sampling import SamplingParams
+    from app.sequence import PrefillRequest
+
+    cfg = EngineConfig(model=model or DEFAULT_MODEL, num_threads=num_threads)
+    core = EngineCore(cfg)
+    torch.set_num_threads(num_threads)
+    prefiller = core.make_prefiller()
+    runner = core.runner
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+
+    def requests(rows: int, n: int) -> list[PrefillRequest]:
+        return [PrefillRequest(f"r{i}", tuple(int(t) for t in rng.integers(100, 20000, n)),
+                               greedy) for i in range(rows)]
+
+    prefill_points = PREFILL_POINTS[::2] if quick else PREFILL_POINTS
+    decode_points = DECODE_POINTS[::2] if quick else DECODE_POINTS
+    prefiller.prefill(requests(1, 32))  # first-call costs (thread pools, allocations)
+    prefill = []
+    for rows, n in prefill_points:
+        reqs = requests(rows, n)
+        t = _median_time(lambda reqs=reqs: prefiller.prefill(reqs), repeats)
+        prefill.append({"rows": rows, "longest": n, "seconds": t})
+
+    decode = []
+    for batch, span in decode_points:
+        kv = runner.allocate(batch, span + 1)
+        tokens = [int(t) for t in rng.integers(100, 20000, batch)]
+        positions = [span - 1] * batch
+
+        def step(kv=kv, tokens=tokens, positions=positions) -> None:
+            logits = runner.decode(kv, tokens, positions)
+            logits.argmax(dim=-1).tolist()
+
+        step()
+        t = _median_time(step, max(repeats, 5))
+        decode.append({"batch": batch, "span": span, "seconds": t})
+    return {
+        "num_threads": num_threads,
+        "model": cfg.model,
+        "kv_bytes_per_token": runner.layout.bytes_per_token(),
+        "prefill": prefill,
+        "decode": decode,
+    }
+
+
+def measure_hop(sizes: Sequence[int] = HOP_SIZES, repeats: int = 5) -> dict[str, Any]:
+    """Put a numpy array in one actor, get it in another, on the same node and across nodes
+    of a two-node local Ray cluster. Also the round trip of an empty actor call."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"node_a": 2}, "include_dashboard": False})
+    cluster.add_node(num_cpus=1, resources={"node_b": 2})
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+
+        @ray.remote(num_cpus=0)
+        class Producer:
+            def make(self, nbytes: int) -> list[Any]:
+                arr = np.ones(nbytes // 4, dtype=np.float32)
+                return [ray.put(arr), time.time()]
+
+            def ping(self) -> float:
+                return time.time()
+
+        @ray.remote(num_cpus=0)
+        class Consumer:
+            def fetch(self, wrapped: list[Any], put_at: float) -> float:
+                arr = ray.get(wrapped[0])
+                assert arr.nbytes > 0
+                return time.time() - put_at
+
+        producer = Producer.options(resources={"node_a": 1}).remote()
+        local = Consumer.options(resources={"node_a": 1}).remote()
+        remote = Consumer.options(resources={"node_b": 1}).remote()
+        ray.get([producer.ping.remote(), local.fetch.remote([ray.put(np.ones(4))], time.time()),
+                 remote.fetch.remote([ray.put(np.ones(4))], time.time())])
+        rtt = _median_time(lambda: ray.get(producer.ping.remote()), 20)
+        points = []
+        for where, consumer in (("same_node", local), ("cross_node", remote)):
+            for nbytes in sizes:
+                times = []
+                for _ in range(repeats):
+                    ref, put_at = ray.get(producer.make.remote(nbytes))
+                    times.append(ray.get(consumer.fetch.remote([ref], put_at)))
+                    del ref
+                points.append({"where": where, "bytes": nbytes,
+                               "seconds": statistics.median(times)})
+        return {"actor_call_rtt_s": rtt, "points": points}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def fit_hop(points: list[dict[str, Any]], where: str) -> tuple[float, float]:
+    """(latency s, bandwidth GB/s) of ``seconds ~ latency + bytes / bandwidth``."""
+    pts = [p for p in points if p["where"] == where]
+    fit = fit_linear([p["bytes"] for p in pts], [0.0] * len(pts), [p["seconds"] for p in pts])
+    gbs = 1e-9 / fit.c1 if fit.c1 > 0 else 1e3
+    return max(fit.c0, 0.0), gbs
+
+
+def device_from_measurement(engine: dict[str, Any], hop: dict[str, Any] | None, *,
+                            where: str = "same_node", kv_budget_tokens: int = 65536,
+                            request_overhead_s: float | None = None) -> DeviceProfile:
+    """Fit one replica's profile from measured passes (and hop, when measured)."""
+    pf = engine["prefill"]
+    prefill = PassCost(0.0, fit_linear([p["rows"] * p["longest"] for p in pf],
+                                       [p["rows"] * p["longest"] ** 2 for p in pf],
+                                       [p["seconds"] for p in pf]))
+    dc = engine["decode"]
+    decode = PassCost(0.0, fit_linear([p["batch"] for p in dc],
+                                      [p["batch"] * p["span"] for p in dc],
+                                      [p["seconds"] for p in dc]))
+    latency, gbs = (0.0, 10.0) if hop is None else fit_hop(hop["points"], where)
+    if request_overhead_s is None:
+        # HTTP proxy -> ingress -> prefill -> ingress -> decode: three Serve calls, each about
+        # one actor round trip plus Serve's routing (taken as another)
+        request_overhead_s = 0.0 if hop is None else 6 * hop["actor_call_rtt_s"]
+    cores = engine["num_threads"]
+    return DeviceProfile(
+        name=f"cpu-{cores}t",
+        prefill=prefill,
+        decode=decode,
+        kv_bytes_per_token=engine["kv_bytes_per_token"],
+        kv_budget_tokens=kv_budget_tokens,
+        hop_latency_s=latency,
+        hop_gbs=gbs,
+        request_overhead_s=request_overhead_s,
+        price_per_hour=CPU_PRICE_PER_CORE_HOUR * cores,
+        power_prefill_w=CPU_WATTS_BUSY_PER_CORE * cores,
+        power_decode_w=CPU_WATTS_BUSY_PER_CORE * cores,
+        power_idle_w=CPU_WATTS_IDLE_PER_CORE * cores,
+        source=f"measured on {platform.node()} ({platform.processor() or platform.machine()}), "
+               f"{cores} torch thread(s), {engine['model']}; KV hop {where}; power and price "
+               "assumed (see load_tests/planner/profile.py)",
+    )
+
+
+def run_profile(out: Path, *, threads: Sequence[int] = (1, 2), hop: bool = True,
+                quick: bool = False, model: str | None = None) -> dict[str, Any]:
+    engines = {str(t): measure_engine(t, quick=quick, model=model,
+                                      repeats=2 if quick else 3) for t in threads}
+    hop_data = measure_hop(repeats=3 if quick else 5) if hop else None
+    profile = {
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {"node": platform.node(), "processor": platform.processor(),
+                    "machine": platform.machine()},
+        "engines": engines,
+        "hop": hop_data,
+        "devices": {f"cpu-{t}t": device_from_measurement(e, hop_data).to_dict()
+                    for t, e in engines.items()},
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=1))
+    return profile
+
+
+def load_devices(path: str | Path) -> dict[str, DeviceProfile]:
+    """The fitted device profiles of a profile file, by name (``cpu-1t``, ``cpu-2t``)."""
+    data = json.loads(Path(path).read_text())
+    return {name: DeviceProfile.from_dict(d) for name, d in data["devices"].items()}

@@ -1,0 +1,183 @@
+"""Placement search: the split fleet (hardware per phase, P:D) and the colocated fleet with the
+highest goodput per dollar, side by side.
+
+Goodput of a configuration is the highest request rate it sustains while at least
+``attainment`` of the requests meet every SLO (DistServe's definition), found by bisection
+over simulated runs of the workload. Split candidates are first ranked by a per-phase bound
+(P x the rate one prefill replica holds under the TTFT target, D x the rate one decode replica
+holds under the TPOT target: DistServe's phase-by-phase search) and the best few are then
+simulated whole. Comparing at equal cost scales each configuration's goodput by
+``budget / price`` (whole copies of the unit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from load_tests.planner.hardware import DeviceProfile
+from load_tests.planner.simulator import (
+    ColocatedSystem,
+    EngineLimits,
+    SplitSystem,
+    System,
+    Workload,
+    simulate,
+)
+
+
+def attainment(system: System, workload: Workload, slos: dict[str, float]) -> dict[str, Any]:
+    return simulate(system, workload.arrivals()).summary(slos)
+
+
+def max_goodput_rate(system: System, workload: Workload, slos: dict[str, float], *,
+                     target: float = 0.9, hi: float | None = None,
+                     iterations: int = 10) -> tuple[float, dict[str, Any] | None]:
+    """Highest rate at which ``target`` of requests meet the SLOs (0 if none does)."""
+    def ok(rate: float) -> tuple[bool, dict[str, Any]]:
+        s = attainment(system, workload.with_rate(rate), slos)
+        return (s["good_fraction"] or 0.0) >= target, s
+
+    lo, best = 0.0, None
+    hi = hi or 1.0
+    while True:  # grow until it fails
+        good, s = ok(hi)
+        if not good:
+            break
+        lo, best, hi = hi, s, hi * 2
+        if hi > 1e5:
+            return lo, best
+    for _ in range(iterations):
+        mid = (lo + hi) / 2 if lo else hi / 2
+        good, s = ok(mid)
+        if good:
+            lo, best = mid, s
+        else:
+            hi = mid
+        if lo and (hi - lo) / lo < 0.03:
+            break
+    return lo, best
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    system: System
+    goodput_rps: float  # highest rate meeting the SLO attainment
+    summary: dict[str, Any] | None
+
+    @property
+    def price_per_hour(self) -> float:
+        return self.system.price_per_hour
+
+    @property
+    def goodput_per_dollar(self) -> float:
+        """Good requests per dollar (rate x 3600 / price per hour)."""
+        return self.goodput_rps * 3600.0 / self.price_per_hour
+
+    def at_budget(self, budget_per_hour: float) -> dict[str, Any]:
+        copies = budget_per_hour / self.price_per_hour
+        s = self.summary or {}
+        return {
+            "system": self.system.describe(),
+            "copies": copies,
+            "goodput_rps": self.goodput_rps * copies,
+            "goodput_per_dollar": self.goodput_per_dollar,
+            "cost_per_m_output_tokens": s.get("cost_per_m_output_tokens"),
+            "energy_per_request_j": s.get("energy_per_request_j"),
+            "ttft_p90_ms": (s.get("ttft_ms") or {}).get("p90"),
+            "tpot_p90_ms": (s.get("tpot_ms") or {}).get("p90"),
+        }
+
+
+def search(devices: Sequence[DeviceProfile], workload: Workload, slos: dict[str, float], *,
+           limits: EngineLimits | None = None, max_per_phase: int = 4, top_k: int = 3,
+           target: float = 0.9, colocated_policies: Sequence[str] = ("interleave", "chunked"),
+           chunk_tokens: int = 512,
+           log: Callable[[str], None] = lambda _: None) -> dict[str, list[Candidate]]:
+    """Best split and colocated candidates (each list sorted by goodput per dollar)."""
+    limits = limits or EngineLimits()
+    ttft_only = {k: v for k, v in slos.items() if k == "ttft"}
+    tpot_only = {k: v for k, v in slos.items() if k == "tpot"}
+    # per-phase capacity of one replica of each kind, the other phase given ample room
+    prefill_rate, decode_rate = {}, {}
+    for dev in devices:
+        strong_other = max(devices, key=lambda d: d.prefill_s(1, 1) ** -1)
+        prefill_rate[dev.name], _ = max_goodput_rate(
+            SplitSystem(dev, strong_other, 1, 8, limits), workload, ttft_only, target=target)
+        decode_rate[dev.name], _ = max_goodput_rate(
+            SplitSystem(strong_other, dev, 8, 1, limits), workload, tpot_only, target=target)
+        log(f"{dev.name}: prefill {prefill_rate[dev.name]:.2f} req/s, "
+            f"decode {decode_rate[dev.name]:.2f} req/s per replica")
+    bounds = []
+    for pdev in devices:
+        for ddev in devices:
+            for p in range(1, max_per_phase + 1):
+                for d in range(1, max_per_phase + 1):
+                    rate = min(p * prefill_rate[pdev.name], d * decode_rate[ddev.name])
+                    price = p * pdev.price_per_hour + d * ddev.price_per_hour
+                    bounds.append((rate / price, SplitSystem(pdev, ddev, p, d, limits)))
+    bounds.sort(key=lambda b: -b[0])
+    split = []
+    for _, sysm in bounds[:top_k]:
+        rate, s = max_goodput_rate(sysm, workload, slos, target=target)
+        split.append(Candidate(sysm, rate, s))
+        log(f"{sysm.describe()}: {rate:.2f} req/s")
+    colocated = []
+    for dev in devices:
+        for policy in colocated_policies:
+            sysm = ColocatedSystem(dev, 1, limits, policy, chunk_tokens)
+            rate, s = max_goodput_rate(sysm, workload, slos, target=target)
+            colocated.append(Candidate(sysm, rate, s))
+            log(f"{sysm.describe()}: {rate:.2f} req/s")
+    split.sort(key=lambda c: -c.goodput_per_dollar)
+    colocated.sort(key=lambda c: -c.goodput_per_dollar)
+    return {"split": split, "colocated": colocated}
+
+
+def _fmt(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.{digits}f}"
+
+
+def table(result: dict[str, list[Candidate]], budget_per_hour: float) -> str:
+    """Markdown: every candidate at the same hourly budget."""
+    lines = [f"At ${budget_per_hour:,.2f}/h:", "",
+             "| system | $/h (unit) | goodput req/s | good req per $ | $/M out tok | "
+             "J/request | TTFT p90 ms | TPOT p90 ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for kind in ("split", "colocated"):
+        for c in result[kind]:
+            b = c.at_budget(budget_per_hour)
+            lines.append(
+                f"| {b['system']} | {c.price_per_hour:.2f} | {_fmt(b['goodput_rps'], 2)} | "
+                f"{_fmt(b['goodput_per_dollar'], 0)} | "
+                f"{_fmt(b['cost_per_m_output_tokens'], 3)} | "
+                f"{_fmt(b['energy_per_request_j'], 0)} | {_fmt(b['ttft_p90_ms'], 0)} | "
+                f"{_fmt(b['tpot_p90_ms'], 1)} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, list[Candidate]], path: str, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for kind, marker in (("split", "o"), ("colocated", "s")):
+        cs = result[kind]
+        ax.scatter([c.price_per_hour for c in cs], [c.goodput_rps for c in cs], marker=marker,
+                   label=kind)
+        for c in cs:
+            ax.annotate(c.system.describe().replace("colocated ", "").replace("split ", ""),
+                        (c.price_per_hour, c.goodput_rps), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("price, $/hour")
+    ax.set_ylabel("goodput, requests/s at SLO attainment")
+    ax.set_title(title or "goodput vs price")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

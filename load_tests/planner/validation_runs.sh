@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Real load-test runs the capacity planner is validated against (issue 8): Poisson arrivals of
+# fixed-length requests at three rates, on the split app (serve_configs/local.yaml) or the
+# colocated baseline (serve_configs/local-colocated.yaml), one config per call:
+#
+#   flock /tmp/splitserve-ray-cluster.lock load_tests/planner/validation_runs.sh local
+#   flock /tmp/splitserve-ray-cluster.lock load_tests/planner/validation_runs.sh local-colocated
+#
+# then `python -m load_tests.planner validate --profile ... RESULTS.json` replays each run's
+# arrivals through the simulator. Knobs (environment): INPUT (prompt tokens, 256), OUTPUT
+# (output tokens, 32), RATES ("0.3,0.6,0.9"), N (requests per rate, 30), OUT.
+# Starts its own Ray head, so no other Ray may run here; stops everything on exit.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+CFG=${1:?usage: validation_runs.sh local|local-colocated}
+PY=.venv/bin/python
+BIN=.venv/bin
+INPUT=${INPUT:-256}
+OUTPUT=${OUTPUT:-32}
+RATES=${RATES:-0.3,0.6,0.9}
+N=${N:-30}
+OUT=${OUT:-load_tests/results/planner-validation/$CFG}
+URL=http://127.0.0.1:8000
+mkdir -p "$OUT"
+
+if "$BIN/ray" status >/dev/null 2>&1; then
+  echo "a Ray cluster is already running here; stop it first (ray stop)" >&2
+  exit 1
+fi
+serve_shutdown() {
+  "$PY" -c "import ray; from ray import serve; ray.init(address='auto', \
+logging_level='ERROR'); serve.shutdown()" >/dev/null 2>&1 || true
+}
+cleanup() {
+  serve_shutdown
+  "$BIN/ray" stop >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+
+"$BIN/ray" start --head --resources='{"prefill_accel": 2, "decode_accel": 2}' --num-cpus 4 \
+  --include-dashboard=false --disable-usage-stats >"$OUT/ray-start.log" 2>&1
+PYTHONPATH=$PWD "$BIN/serve" run --non-blocking "serve_configs/$CFG.yaml" >"$OUT/serve.log" 2>&1
+for _ in $(seq 600); do
+  if curl -sf "$URL/health" >/dev/null 2>&1; then break; fi
+  sleep 1
+done
+"$PY" -m load_tests.loadgen --base-url "$URL" --endpoint completions --label "$CFG" \
+  --input-len "$INPUT" --output-len "$OUTPUT" --rates "$RATES" --num-requests "$N" \
+  --warmup 2 --duration 200 --drain-timeout 120 --slo ttft:2000 tpot:150 --no-progress \
+  --no-plots --out "$OUT" | tee "$OUT/loadgen.txt"
