@@ -25,6 +25,10 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
+# accelerate's placement strategies for a model spread over several GPUs (``device_map``).
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     for name, value in _DTYPES.items():
         if value == dtype:
@@ -44,12 +48,18 @@ class EngineConfig:
 
     ``max_kv_tokens`` bounds the decoder's physical KV buffer (rows x capacity), so admissions
     can never make the process run out of memory; ``max_model_len`` caps one sequence.
+
+    ``device_map`` (with ``device="cuda"``) spreads the layers of a model too large for one GPU
+    over the first ``num_gpus`` visible GPUs with accelerate; each layer's KV lives on that
+    layer's GPU. ``None`` puts the whole model on ``device``.
     """
 
     model: str = DEFAULT_MODEL
     dtype: str = "float32"
     kv_dtype: str | None = None  # None: same as dtype
     device: str = "cpu"
+    device_map: str | None = None  # one of DEVICE_MAPS; None: the whole model on `device`
+    num_gpus: int = 1  # GPUs a device_map may use (a Ray replica sees exactly its own)
     num_threads: int | None = None  # None: leave torch's default
     max_model_len: int | None = None  # None: the model's own context length
     max_batch_size: int = 16
@@ -68,6 +78,18 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
+        if self.num_gpus < 1:
+            raise ValueError(f"num_gpus must be >= 1, got {self.num_gpus}")
+        if self.device_map is not None:
+            if self.device_map not in DEVICE_MAPS:
+                raise ValueError(
+                    f"device_map must be one of {list(DEVICE_MAPS)}, got {self.device_map!r}"
+                )
+            if self.device != "cuda":
+                raise ValueError(
+                    f"device_map spreads a model over GPUs: it needs device 'cuda' (no index), "
+                    f"got {self.device!r}"
+                )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         for name in ("max_batch_size", "max_kv_tokens", "max_waiting", "prefill_token_budget",

@@ -95,7 +95,7 @@ class Decoder:
             if kv is None or kv.rows < rows or kv.capacity < capacity:
                 self.kv = kv = self.runner.allocate(rows, capacity, old=kv)
             row = len(self.running)
-            self.runner.load_row(kv, row, package.kv_tensor())
+            self.runner.load_row(kv, row, package.kv_tensor(self.runner.kv_device))
             seq.row, seq.kv_len, seq.status = row, package.seq_len, SequenceStatus.RUNNING
             self.running.append(seq)
 

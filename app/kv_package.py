@@ -5,6 +5,10 @@ Layout: one contiguous array ``kv`` of shape ``[layers, 2, kv_heads, seq_len, he
 Arrays are numpy so that Ray's serializer (pickle protocol 5) places them in shared memory
 out of band, without copying; bfloat16 travels as its uint16 bit pattern. The rest is a few
 hundred bytes of plain metadata: no pickled transformers objects.
+
+On a GPU the KV leaves through pinned host memory (one DMA at full link bandwidth, then the
+object store copies it into shared memory); decode copies it from the object store straight
+onto its own GPU.
 """
 
 from __future__ import annotations
@@ -43,6 +47,30 @@ class KVLayout:
 
 def _itemsize(dtype: str) -> int:
     return torch.tensor([], dtype=parse_dtype(dtype)).element_size()
+
+
+def device_to_host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host tensor with the values of ``t``: ``t`` itself on the CPU (no copy);
+    from a GPU, a pinned copy that is complete when this returns."""
+    if t.device.type != "cuda":
+        return t.to("cpu").contiguous()
+    return stage_to_host(t, pin=True)
+
+
+def stage_to_host(t: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    """Copy ``t`` into a new host buffer, page-locked when ``pin``.
+
+    From page-locked memory the GPU's copy engine writes at full link bandwidth, where a copy
+    to pageable memory goes through the driver's own staging buffer. The buffer comes from
+    torch's caching host allocator, so a prefill replica in steady state pins no new memory.
+    The copy is issued asynchronously and waited for here: Ray reads the buffer as soon as the
+    package is returned.
+    """
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    host.copy_(t, non_blocking=pin)
+    if t.device.type == "cuda":
+        torch.cuda.current_stream(t.device).synchronize()
+    return host
 
 
 @dataclass(slots=True)
@@ -91,7 +119,7 @@ class KVPackage:
         assert kv.dim() == 5 and kv.shape[1] == 2, f"bad KV shape {tuple(kv.shape)}"
         assert kv.shape[3] == len(prompt_token_ids), "KV length != prompt length"
         kv_dtype = dtype_name(kv.dtype)
-        host = kv.detach().to("cpu").contiguous()
+        host = device_to_host(kv.detach())
         if kv.dtype == torch.bfloat16:
             host = host.view(torch.uint16)
         ids_dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
@@ -109,7 +137,15 @@ class KVPackage:
         )
 
     def kv_tensor(self, device: str | torch.device = "cpu") -> torch.Tensor:
-        """The KV as a torch tensor (zero-copy on CPU); [layers, 2, kv_heads, seq, head_dim]."""
+        """The KV as a torch tensor on ``device`` (zero-copy on CPU);
+        [layers, 2, kv_heads, seq, head_dim].
+
+        To a GPU it is one copy from the object store's (pageable) memory. Staging it through
+        pinned memory first would add a host copy of the same size as the driver's own
+        staging and only buy an asynchronous transfer, which the decode loop cannot use: the
+        step that reads the KV runs right after, on the same stream.
+        ``load_tests/gpu_check.py`` measures both ways.
+        """
         with warnings.catch_warnings():
             # object-store buffers are read-only; the tensor is only ever read (copied from)
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

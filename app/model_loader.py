@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -189,25 +190,81 @@ def load_tokenizer(config: EngineConfig):  # -> PreTrainedTokenizerBase
         raise ModelLoadError(f"could not load the tokenizer of {config.model!r}: {exc}") from exc
 
 
+# Share of each GPU's memory that a device_map may fill with weights; the rest is left for
+# the KV buffer, activations and the CUDA context. Balanced maps use far less per GPU.
+_WEIGHTS_MEMORY_FRACTION = 0.9
+
+
+def placement_kwargs(config: EngineConfig, gpu_total_bytes: list[int]) -> dict[str, Any]:
+    """The ``from_pretrained`` arguments that place the weights.
+
+    ``gpu_total_bytes``: total memory of each visible GPU (empty on a machine without CUDA).
+    On cpu: none (weights load on the host). On one GPU: ``device_map=device``, so the
+    weights go straight to the GPU. With ``config.device_map``: accelerate's strategy over the
+    first ``num_gpus`` GPUs, each capped at a share of its memory, and no CPU or disk in
+    ``max_memory`` so a model that does not fit fails instead of being offloaded.
+    """
+    if config.device == "cpu":
+        return {}
+    if config.device_map is None:
+        return {"device_map": config.device}
+    if len(gpu_total_bytes) < config.num_gpus:
+        raise ModelLoadError(
+            f"device_map {config.device_map!r} over {config.num_gpus} GPUs, but "
+            f"{len(gpu_total_bytes)} are visible; ask Ray for num_gpus: {config.num_gpus}"
+        )
+    max_memory = {
+        i: int(total * _WEIGHTS_MEMORY_FRACTION)
+        for i, total in enumerate(gpu_total_bytes[: config.num_gpus])
+    }
+    return {"device_map": config.device_map, "max_memory": max_memory}
+
+
+def visible_gpu_memory() -> list[int]:
+    """Total memory of each visible CUDA device, in bytes (empty without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory
+            for i in range(torch.cuda.device_count())]
+
+
+def check_placement(model: torch.nn.Module, config: EngineConfig) -> None:
+    """Every weight on the configured kind of device: a device_map that ran out of GPU
+    memory must not leave layers offloaded to the host or disk."""
+    kinds = {p.device.type for p in model.parameters()}
+    want = "cpu" if config.device == "cpu" else "cuda"
+    if kinds != {want}:
+        raise ModelLoadError(
+            f"model {config.model!r} does not fit on its devices: weights on {sorted(kinds)}, "
+            f"expected all on {want}; give the replica more GPUs (num_gpus) or a smaller model"
+        )
+
+
 def load_model(config: EngineConfig) -> torch.nn.Module:
-    """Load the causal LM in ``config.dtype`` on ``config.device``, in eval mode."""
+    """Load the causal LM in ``config.dtype`` on ``config.device`` (spread over GPUs with
+    ``config.device_map``), in eval mode."""
     from transformers import AutoModelForCausalLM
 
     source = resolve_model(config.model)
     where = local_model_dir(source, config.resolved_cache_dir)
+    placement = placement_kwargs(config, visible_gpu_memory() if config.device_map else [])
     try:
         model = AutoModelForCausalLM.from_pretrained(
             where,
             dtype=config.torch_dtype,
             attn_implementation="sdpa",
             trust_remote_code=config.trust_remote_code,
+            **placement,
         )
     except (OSError, ValueError) as exc:  # missing files; unreadable config/tokenizer
         if source.kind == "hub":
             raise _hub_error(source, exc) from exc
         raise ModelLoadError(f"could not load model {config.model!r}: {exc}") from exc
     check_architecture(model)
-    return model.to(config.device).eval()
+    if config.device_map is None:
+        model = model.to(config.device)
+    check_placement(model, config)
+    return model.eval()
 
 
 def check_architecture(model: torch.nn.Module) -> None:

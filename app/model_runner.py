@@ -8,13 +8,18 @@ norm, LM head) so the arithmetic is the model's, while KV storage is the runner'
 * ``decode``: one token for each active row of a preallocated batch KV buffer
   ``[layers, 2, rows, kv_heads, capacity, head_dim]``; rows may hold different lengths, each
   new key/value is written in place at its row's own position.
+
+A model spread over several GPUs (``device_map``) keeps each layer's KV on that layer's GPU:
+the batch buffer is one part per run of consecutive layers on one device, so the decode hot
+path never moves KV between devices; only the hidden state crosses at a device boundary.
+Inputs go to the embedding's device, logits come from the LM head's device.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,22 +44,68 @@ class _PrefillCollector:
         return key_states, value_states
 
 
+@dataclass(frozen=True, slots=True)
+class LayerSpan:
+    """Layers ``start..stop-1``, consecutive and on one device: their KV shares one buffer."""
+
+    start: int
+    stop: int
+    device: torch.device
+
+
+def layer_spans(devices: list[torch.device]) -> list[LayerSpan]:
+    """Group per-layer devices into runs; one span for a model on a single device."""
+    spans: list[LayerSpan] = []
+    for i, device in enumerate(devices):
+        if spans and spans[-1].device == device:
+            spans[-1] = LayerSpan(spans[-1].start, i + 1, device)
+        else:
+            spans.append(LayerSpan(i, i + 1, device))
+    return spans
+
+
+@dataclass(slots=True)
+class BatchKV:
+    """The decoder's KV buffer; ``rows * capacity`` is bounded by the engine's KV budget.
+
+    One part per :class:`LayerSpan`, on that span's device (a single part on one device).
+    """
+
+    parts: list[torch.Tensor]  # per span: [span_layers, 2, rows, kv_heads, capacity, head_dim]
+    layers: list[torch.Tensor] = field(init=False)  # per layer: [2, rows, kvh, cap, hd] views
+
+    def __post_init__(self) -> None:
+        self.layers = [layer for part in self.parts for layer in part.unbind(0)]
+
+    @property
+    def rows(self) -> int:
+        return int(self.parts[0].shape[2])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.parts[0].shape[4])
+
+
 class _BatchCacheView:
     """Cache stand-in for decode: writes one token per row into the batch buffer in place."""
 
-    def __init__(self, buf: torch.Tensor, rows: int, positions: torch.Tensor, span: int) -> None:
-        self.buf = buf
-        self.row_idx = torch.arange(rows, device=buf.device)
-        self.positions = positions
+    def __init__(self, kv: BatchKV, rows: int, positions: torch.Tensor, span: int) -> None:
+        self.layers = kv.layers
         self.rows = rows
         self.span = span
+        # (row index, positions) on each device that holds KV: [B] each
+        self.index = {
+            device: (torch.arange(rows, device=device), positions.to(device))
+            for device in {part.device for part in kv.parts}
+        }
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # key_states: [B, kv_heads, 1, head_dim]; positions: [B]
-        keys = self.buf[layer_idx, 0]
-        values = self.buf[layer_idx, 1]
-        keys[self.row_idx, :, self.positions] = key_states[:, :, 0].to(keys.dtype)
-        values[self.row_idx, :, self.positions] = value_states[:, :, 0].to(values.dtype)
+        # key_states: [B, kv_heads, 1, head_dim], on the layer's device, as is its buffer
+        buf = self.layers[layer_idx]  # [2, rows, kv_heads, capacity, head_dim]
+        row_idx, positions = self.index[buf.device]
+        keys, values = buf[0], buf[1]
+        keys[row_idx, :, positions] = key_states[:, :, 0].to(keys.dtype)
+        values[row_idx, :, positions] = value_states[:, :, 0].to(values.dtype)
         k = keys[: self.rows, :, : self.span]
         v = values[: self.rows, :, : self.span]
         if k.dtype != key_states.dtype:
@@ -62,19 +113,11 @@ class _BatchCacheView:
         return k, v
 
 
-@dataclass(slots=True)
-class BatchKV:
-    """The decoder's KV buffer; ``rows * capacity`` is bounded by the engine's KV budget."""
-
-    buf: torch.Tensor  # [layers, 2, rows, kv_heads, capacity, head_dim]
-
-    @property
-    def rows(self) -> int:
-        return int(self.buf.shape[2])
-
-    @property
-    def capacity(self) -> int:
-        return int(self.buf.shape[4])
+def _module_device(module: torch.nn.Module) -> torch.device:
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers())
+    return tensor.device
 
 
 def _next_pow2(n: int) -> int:
@@ -96,7 +139,15 @@ class ModelRunner:
         self.lm_head = model.lm_head
         cfg = model.config
         self.vocab_size: int = cfg.vocab_size
-        self.device = next(model.parameters()).device
+        self.device = _module_device(self.embed_tokens)  # token ids go here
+        self.layer_devices = [_module_device(layer) for layer in self.layers]
+        self.spans = layer_spans(self.layer_devices)
+        self.kv_device = self.spans[0].device  # where a KV package is loaded first
+        self.output_device = _module_device(self.lm_head)  # logits come from here
+        self._rotary_device = _module_device(self.rotary_emb)
+        self._norm_device = _module_device(self.norm)
+        self.multi_device = len({self.device, self.output_device, self._rotary_device,
+                                 self._norm_device, *self.layer_devices}) > 1
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = config.torch_kv_dtype
         num_heads = cfg.num_attention_heads
@@ -115,8 +166,18 @@ class ModelRunner:
         self.lock = threading.Lock()
 
     def _layers_forward(self, hidden, position_ids, mask, cache) -> torch.Tensor:
-        cos_sin = self.rotary_emb(hidden, position_ids)
-        for layer in self.layers:
+        if self.multi_device:
+            cos_sin = self.rotary_emb(hidden.to(self._rotary_device),
+                                      position_ids.to(self._rotary_device))
+        else:
+            cos_sin = self.rotary_emb(hidden, position_ids)
+        for layer, device in zip(self.layers, self.layer_devices, strict=True):
+            if self.multi_device and hidden.device != device:
+                # a device_map boundary: what the layer reads moves to its GPU
+                hidden, position_ids = hidden.to(device), position_ids.to(device)
+                mask = mask.to(device) if mask is not None else None
+            if self.multi_device and cos_sin[0].device != device:
+                cos_sin = (cos_sin[0].to(device), cos_sin[1].to(device))
             out = layer(
                 hidden,
                 attention_mask=mask,
@@ -128,7 +189,10 @@ class ModelRunner:
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [B, H] -> logits [B, V] in float32
+        # hidden: [B, H] -> logits [B, V] in float32, on the LM head's device
+        if self.multi_device:
+            hidden = self.norm(hidden.to(self._norm_device))
+            return self.lm_head(hidden.to(self.output_device)).float()
         return self.lm_head(self.norm(hidden)).float()
 
     @torch.inference_mode()
@@ -136,7 +200,7 @@ class ModelRunner:
         """Run prompts of any lengths as one right-padded batch.
 
         Returns logits at each prompt's last token [B, V] (float32) and, per prompt, its KV
-        ``[layers, 2, kv_heads, len_i, head_dim]`` (contiguous, KV dtype, on the device).
+        ``[layers, 2, kv_heads, len_i, head_dim]`` (contiguous, KV dtype, on ``kv_device``).
         Right padding needs no attention mask: under the causal mask a real token never sees
         the pads that follow it.
         """
@@ -151,15 +215,15 @@ class ModelRunner:
         with self.lock:
             hidden = self.embed_tokens(ids)  # [B, S, H]
             hidden = self._layers_forward(hidden, positions, None, collector)
-            last = torch.tensor(lens, device=self.device) - 1
-            logits = self._logits(hidden[torch.arange(bsz, device=self.device), last])
+            last = torch.tensor(lens, device=hidden.device) - 1
+            logits = self._logits(hidden[torch.arange(bsz, device=hidden.device), last])
             kvs = []
             lay = self.layout
             for i, n in enumerate(lens):
                 kv = torch.empty(
                     (lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim),
                     dtype=self.kv_dtype,
-                    device=self.device,
+                    device=self.kv_device,
                 )
                 for layer_idx in range(lay.num_layers):
                     kv[layer_idx, 0] = collector.keys[layer_idx][i, :, :n]
@@ -178,26 +242,32 @@ class ModelRunner:
         rows = _next_pow2(rows)
         capacity = min(max(_MIN_CAPACITY, _next_pow2(capacity)), _next_pow2(self.max_model_len))
         lay = self.layout
-        # zeros, not empty: masked positions are still multiplied by 0 in attention, NaN*0=NaN
-        buf = torch.zeros(
-            (lay.num_layers, 2, rows, lay.num_kv_heads, capacity, lay.head_dim),
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
-        if old is not None:
-            r, c = min(rows, old.rows), min(capacity, old.capacity)
-            buf[:, :, :r, :, :c] = old.buf[:, :, :r, :, :c]
-        return BatchKV(buf)
+        parts = []
+        for i, span in enumerate(self.spans):
+            # zeros, not empty: masked positions are still multiplied by 0 in attention,
+            # NaN*0=NaN
+            part = torch.zeros(
+                (span.stop - span.start, 2, rows, lay.num_kv_heads, capacity, lay.head_dim),
+                dtype=self.kv_dtype,
+                device=span.device,
+            )
+            if old is not None:
+                r, c = min(rows, old.rows), min(capacity, old.capacity)
+                part[:, :, :r, :, :c] = old.parts[i][:, :, :r, :, :c]
+            parts.append(part)
+        return BatchKV(parts)
 
-    @staticmethod
-    def load_row(kv: BatchKV, row: int, package_kv: torch.Tensor) -> None:
-        # package_kv: [layers, 2, kv_heads, n, head_dim]
+    def load_row(self, kv: BatchKV, row: int, package_kv: torch.Tensor) -> None:
+        # package_kv: [layers, 2, kv_heads, n, head_dim], best on kv_device; each span's
+        # layers are copied (and cast to the KV dtype) onto that span's device
         n = package_kv.shape[3]
-        kv.buf[:, :, row, :, :n] = package_kv.to(kv.buf.device, kv.buf.dtype)
+        for span, part in zip(self.spans, kv.parts, strict=True):
+            part[:, :, row, :, :n] = package_kv[span.start : span.stop]
 
     @staticmethod
     def move_row(kv: BatchKV, src: int, dst: int, length: int) -> None:
-        kv.buf[:, :, dst, :, :length] = kv.buf[:, :, src, :, :length]
+        for part in kv.parts:
+            part[:, :, dst, :, :length] = part[:, :, src, :, :length]
 
     @torch.inference_mode()
     def decode(self, kv: BatchKV, token_ids: list[int], positions: list[int]) -> torch.Tensor:
@@ -215,7 +285,7 @@ class ModelRunner:
             # rows shorter than the longest must not see positions past their own length
             key_pos = torch.arange(span, device=self.device)
             mask = (key_pos.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]  # [B,1,1,span]
-        view = _BatchCacheView(kv.buf, bsz, pos, span)
+        view = _BatchCacheView(kv, bsz, pos, span)
         with self.lock:
             hidden = self.embed_tokens(ids)  # [B, 1, H]
             hidden = self._layers_forward(hidden, pos.unsqueeze(1), mask, view)

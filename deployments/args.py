@@ -64,7 +64,10 @@ class PhaseArgs(BaseModel):
     accelerator_type: str | None = Field(
         None, description="Ray accelerator_type (e.g. 'H100', 'L4') each replica asks for.")
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica.")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (set device: cuda).")
+    num_gpus: float = Field(
+        0.0, ge=0, description="GPUs per replica (set device: cuda). A fraction packs replicas "
+        "on one GPU; more than 1 (a whole number) spreads the model over the replica's GPUs "
+        "with accelerate's device_map (see AppArgs.device_map).")
     num_threads: int | None = Field(
         1, ge=1, description="torch intra-op threads per replica; None leaves torch's default.")
     num_replicas: int | None = Field(
@@ -94,6 +97,13 @@ class PhaseArgs(BaseModel):
         5.0, gt=0, description="How often Serve runs the replica's health check.")
     health_check_timeout_s: float = Field(
         30.0, gt=0, description="A health check slower than this fails the replica.")
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _whole_gpus(cls, v: float) -> float:
+        if v > 1 and v != int(v):
+            raise ValueError(f"num_gpus above 1 must be a whole number, got {v}")
+        return v
 
     def ray_actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus}
@@ -170,6 +180,10 @@ class AppArgs(BaseModel):
     dtype: str = Field("float32", description="Weights dtype: float32, bfloat16, float16.")
     kv_dtype: str | None = Field(None, description="KV package/cache dtype; default: dtype.")
     device: str = Field("cpu", description="'cpu' or 'cuda' for both phases.")
+    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] = Field(
+        "auto", description="With device 'cuda', how a replica with num_gpus > 1 spreads the "
+        "model's layers over its GPUs (accelerate's device_map strategy); each layer's KV "
+        "stays on its layer's GPU. Unused for replicas with one GPU or less.")
     max_model_len: int | None = Field(
         None, ge=2, description="Context cap in tokens; default: the model's own.")
     max_batch_size: int = Field(16, ge=1, description="Decode: sequences per step at most.")
@@ -240,11 +254,18 @@ class AppArgs(BaseModel):
         """The engine of one deployment: ``prefill``, ``decode`` or ``colocated``."""
         args = {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[phase]
         try:
+            on_gpu = self.device.startswith("cuda")
+            if on_gpu and args.num_gpus == 0:
+                raise ValueError(f"device {self.device!r} needs num_gpus > 0 (Ray gives a "
+                                 "replica without GPUs none to see)")
+            spread = on_gpu and args.num_gpus > 1
             return EngineConfig(
                 model=self.model,
                 dtype=self.dtype,
                 kv_dtype=self.kv_dtype,
                 device=self.device,
+                device_map=self.device_map if spread else None,
+                num_gpus=int(args.num_gpus) if spread else 1,
                 num_threads=args.num_threads,
                 max_model_len=self.max_model_len,
                 max_batch_size=self.max_batch_size,

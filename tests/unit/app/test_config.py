@@ -43,6 +43,10 @@ def test_dtype_names_round_trip():
         ({"prefill_token_budget": 0}, "prefill_token_budget must be >= 1"),
         ({"prefill_max_batch_size": 0}, "prefill_max_batch_size must be >= 1"),
         ({"max_model_len": 1}, "max_model_len must be >= 2"),
+        ({"num_gpus": 0}, "num_gpus must be >= 1"),
+        ({"device_map": "auto"}, "needs device 'cuda'"),
+        ({"device": "cuda:1", "device_map": "auto"}, "needs device 'cuda' \\(no index\\)"),
+        ({"device": "cuda", "device_map": "everywhere"}, "device_map must be one of"),
     ],
 )
 def test_invalid_settings_raise(kwargs, match):
@@ -69,3 +73,11 @@ def test_cache_dir(monkeypatch, tmp_path):
     assert EngineConfig(cache_dir=str(tmp_path / "x")).resolved_cache_dir == tmp_path / "x"
     monkeypatch.delenv("SPLITSERVE_CACHE")
     assert default_cache_dir() == Path.home() / ".cache" / "splitserve"
+
+
+def test_gpu_settings_validate_without_a_gpu():
+    cfg = EngineConfig(device="cuda", dtype="bfloat16")
+    assert cfg.torch_dtype is torch.bfloat16 and cfg.torch_kv_dtype is torch.bfloat16
+    assert cfg.device_map is None and cfg.num_gpus == 1
+    spread = EngineConfig(device="cuda", dtype="bfloat16", device_map="auto", num_gpus=4)
+    assert spread.device_map == "auto" and spread.num_gpus == 4

@@ -97,3 +97,50 @@ def test_check_compatible_rejects_mismatches():
     short_prompt = dataclasses.replace(pkg, prompt_token_ids=pkg.prompt_token_ids[:-1])
     with pytest.raises(KVPackageMismatchError, match="inconsistent lengths"):
         short_prompt.check_compatible(FP, layout)
+
+
+# ---- leaving and reaching the device ------------------------------------------------------
+
+
+def test_cpu_kv_goes_to_the_package_without_a_copy_or_pinning(monkeypatch):
+    """On the CPU the pinned staging path is skipped: the package's array is the tensor's own
+    memory (the object store then copies it once, as it must)."""
+    import app.kv_package as kvp
+
+    def no_staging(*args, **kwargs):
+        raise AssertionError("a CPU tensor must not be staged")
+
+    monkeypatch.setattr(kvp, "stage_to_host", no_staging)
+    kv = torch.randn(2, 2, 3, 6, 8)
+    pkg = _package(kv)
+    assert pkg.kv.ctypes.data == kv.data_ptr()
+    back = pkg.kv_tensor("cpu")
+    assert back.data_ptr() == kv.data_ptr()  # and back, zero-copy
+    assert torch.equal(back, kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staging_copies_into_a_fresh_host_buffer(dtype):
+    """The staging step of the GPU path (here from a CPU tensor, pinned where CUDA exists):
+    a new contiguous buffer of the same values, dtype and shape, pinned iff asked."""
+    from app.kv_package import stage_to_host
+
+    pin = torch.cuda.is_available()
+    src = torch.randn(2, 2, 3, 9, 8).to(dtype)
+    view = src[:, :, :, 2:7]  # non-contiguous, as a slice of a batch buffer would be
+    host = stage_to_host(view, pin=pin)
+    assert host.is_contiguous() and host.dtype is dtype and host.shape == view.shape
+    assert host.device.type == "cpu" and host.is_pinned() == pin
+    assert host.data_ptr() != src.data_ptr()
+    assert torch.equal(host, view)
+    src.zero_()  # the staged copy does not alias the device tensor
+    assert not torch.equal(host, view)
+
+
+def test_kv_tensor_loads_onto_the_requested_device():
+    kv = torch.randn(2, 2, 3, 4, 8).to(torch.bfloat16)
+    pkg = _package(kv)
+    target = torch.device("cpu")
+    back = pkg.kv_tensor(target)
+    assert back.device == target and back.dtype is torch.bfloat16
+    assert torch.equal(back, kv)

@@ -238,3 +238,62 @@ def test_fingerprint_identifies_model_and_dtype():
     half = copy.deepcopy(a).to(torch.bfloat16)
     assert fingerprint(half).dtype == "bfloat16"
     assert fingerprint(half).as_str() != fp.as_str()
+
+
+# ---- placement on GPUs (device_map), checked without a GPU ------------------------------------
+
+GIB = 1 << 30
+
+
+def test_placement_kwargs_per_device_setting():
+    from app.model_loader import placement_kwargs
+
+    assert placement_kwargs(EngineConfig(), []) == {}  # cpu: weights load on the host
+    one = EngineConfig(device="cuda", dtype="bfloat16")
+    assert placement_kwargs(one, []) == {"device_map": "cuda"}  # straight onto the GPU
+    assert placement_kwargs(EngineConfig(device="cuda:1"), []) == {"device_map": "cuda:1"}
+
+    spread = EngineConfig(device="cuda", dtype="bfloat16", device_map="auto", num_gpus=2)
+    kwargs = placement_kwargs(spread, [80 * GIB, 80 * GIB, 80 * GIB])
+    # only the replica's GPUs, and no "cpu"/"disk" entry: no silent offload
+    assert kwargs == {"device_map": "auto",
+                      "max_memory": {0: int(80 * GIB * 0.9), 1: int(80 * GIB * 0.9)}}
+    balanced = EngineConfig(device="cuda", device_map="balanced", num_gpus=2)
+    assert placement_kwargs(balanced, [40 * GIB, 80 * GIB])["max_memory"] == {
+        0: int(40 * GIB * 0.9), 1: int(80 * GIB * 0.9)}
+    with pytest.raises(ModelLoadError, match="2 GPUs, but 1 are visible"):
+        placement_kwargs(spread, [80 * GIB])
+
+
+def test_load_model_passes_the_device_map_and_refuses_offloaded_weights(monkeypatch, tmp_path):
+    """With a device_map, from_pretrained gets the placement and the model is not moved
+    afterwards; weights that did not land on the GPUs fail the load with a clear error."""
+    from transformers import AutoModelForCausalLM
+
+    make_tiny_model(seed=2).save_pretrained(tmp_path / "tiny")
+    seen: dict = {}
+    real = AutoModelForCausalLM.from_pretrained
+
+    def fake_from_pretrained(where, **kwargs):
+        seen.update(kwargs)
+        cpu_kwargs = {k: v for k, v in kwargs.items() if k not in ("device_map", "max_memory")}
+        return real(where, **cpu_kwargs)  # "offloaded": everything stayed on the host
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setattr(ml, "visible_gpu_memory", lambda: [24 * GIB, 24 * GIB])
+    config = EngineConfig(model=str(tmp_path / "tiny"), device="cuda", dtype="bfloat16",
+                          device_map="auto", num_gpus=2)
+    with pytest.raises(ModelLoadError, match=r"weights on \['cpu'\], expected all on cuda"):
+        load_model(config)
+    assert seen["device_map"] == "auto" and set(seen["max_memory"]) == {0, 1}
+    assert seen["dtype"] is torch.bfloat16
+
+
+def test_check_placement_rejects_mixed_devices():
+    from app.model_loader import check_placement
+
+    model = make_tiny_model(seed=0)
+    check_placement(model, EngineConfig())  # all on the cpu, as configured
+    model.model.layers[1].to("meta")  # a layer left behind (as a disk offload leaves it)
+    with pytest.raises(ModelLoadError, match="does not fit on its devices"):
+        check_placement(model, EngineConfig())
