@@ -22,6 +22,13 @@ from deployments.args import AppArgs
 from deployments.metrics import DecodeMetrics
 
 
+def current_replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (the class used directly)
+        return ""
+
+
 async def inject_fault(args: AppArgs, core: EngineCore, kind: str, seconds: float) -> str:
     """Shared by the phase servers: refuse unless fault injection is enabled in the args."""
     if not args.enable_fault_injection:
@@ -34,7 +41,7 @@ async def inject_fault(args: AppArgs, core: EngineCore, kind: str, seconds: floa
                 time.sleep(seconds)
 
         asyncio.get_running_loop().run_in_executor(None, hold)
-        return "stalling"
+        return current_replica_id()
     raise ValueError(f"unknown fault {kind!r}; expected 'stall' or 'crash'")
 
 
@@ -188,5 +195,6 @@ class DecodeServer:
 
     async def inject_fault(self, kind: str, seconds: float = 0.0) -> str:
         """Fault tests only (``enable_fault_injection``): ``stall`` wedges the decode loop
-        for ``seconds`` by holding the model; ``crash`` kills this replica's process."""
+        for ``seconds`` by holding the model (returns this replica's id); ``crash`` kills
+        this replica's process."""
         return await inject_fault(self.args, self.core, kind, seconds)

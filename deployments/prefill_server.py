@@ -18,7 +18,7 @@ from app.local_engine import EngineCore
 from app.sequence import PrefillRequest
 from deployments import autoscaling
 from deployments.args import AppArgs
-from deployments.decode_server import inject_fault
+from deployments.decode_server import current_replica_id, inject_fault
 from deployments.metrics import PrefillMetrics
 
 
@@ -97,6 +97,7 @@ class PrefillServer:
 
     def stats(self) -> dict[str, Any]:
         return {
+            "replica_id": current_replica_id(),
             "node_id": self.node_id,
             "fingerprint": self.core.fingerprint,
             "waiting_tokens": self.waiting_tokens,
