@@ -228,7 +228,12 @@ class DeviceProfile:
         return self.prefill(rows * longest, rows * longest * longest)
 
     def decode_s(self, batch: int, span: int) -> float:
+        """A step that attends every row over ``span`` positions (this app's padded batch)."""
         return self.decode(batch, batch * span)
+
+    def decode_ctx_s(self, batch: int, context_tokens: int) -> float:
+        """A step that attends each row over its own context only (a paged engine)."""
+        return self.decode(batch, context_tokens)
 
     def hop_s(self, nbytes: int) -> float:
         return self.hop_latency_s + nbytes / (self.hop_gbs * 1e9)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from load_tests.planner.hardware import DeviceProfile
@@ -33,11 +33,18 @@ def attainment(system: System, workload: Workload, slos: dict[str, float]) -> di
 
 
 def max_goodput_rate(system: System, workload: Workload, slos: dict[str, float], *,
-                     target: float = 0.9, hi: float | None = None,
-                     iterations: int = 10) -> tuple[float, dict[str, Any] | None]:
-    """Highest rate at which ``target`` of requests meet the SLOs (0 if none does)."""
+                     target: float = 0.9, hi: float | None = None, iterations: int = 10,
+                     min_span_s: float = 60.0,
+                     max_requests: int = 20000) -> tuple[float, dict[str, Any] | None]:
+    """Highest rate at which ``target`` of requests meet the SLOs (0 if none does).
+
+    Each trial's arrivals span at least ``min_span_s`` seconds: a backlog that a short run
+    would drain unnoticed (decode waiting hides in TPOT, spread over every output token) has
+    to grow for a minute and so breaks the SLO.
+    """
     def ok(rate: float) -> tuple[bool, dict[str, Any]]:
-        s = attainment(system, workload.with_rate(rate), slos)
+        n = min(max(workload.num_requests, int(rate * min_span_s)), max_requests)
+        s = attainment(system, replace(workload.with_rate(rate), num_requests=n), slos)
         return (s["good_fraction"] or 0.0) >= target, s
 
     lo, best = 0.0, None
@@ -94,7 +101,7 @@ class Candidate:
 def search(devices: Sequence[DeviceProfile], workload: Workload, slos: dict[str, float], *,
            limits: EngineLimits | None = None, max_per_phase: int = 4, top_k: int = 3,
            target: float = 0.9, colocated_policies: Sequence[str] = ("interleave", "chunked"),
-           chunk_tokens: int = 512,
+           chunk_tokens: int = 512, min_span_s: float = 60.0,
            log: Callable[[str], None] = lambda _: None) -> dict[str, list[Candidate]]:
     """Best split and colocated candidates (each list sorted by goodput per dollar)."""
     limits = limits or EngineLimits()
@@ -102,12 +109,14 @@ def search(devices: Sequence[DeviceProfile], workload: Workload, slos: dict[str,
     tpot_only = {k: v for k, v in slos.items() if k == "tpot"}
     # per-phase capacity of one replica of each kind, the other phase given ample room
     prefill_rate, decode_rate = {}, {}
+    best_prefill = min(devices, key=lambda d: d.prefill_s(4, 1024))
+    best_decode = min(devices, key=lambda d: d.decode_s(16, 1024))
+    opts = {"target": target, "min_span_s": min_span_s}
     for dev in devices:
-        strong_other = max(devices, key=lambda d: d.prefill_s(1, 1) ** -1)
         prefill_rate[dev.name], _ = max_goodput_rate(
-            SplitSystem(dev, strong_other, 1, 8, limits), workload, ttft_only, target=target)
+            SplitSystem(dev, best_decode, 1, 8, limits), workload, ttft_only, **opts)
         decode_rate[dev.name], _ = max_goodput_rate(
-            SplitSystem(strong_other, dev, 8, 1, limits), workload, tpot_only, target=target)
+            SplitSystem(best_prefill, dev, 8, 1, limits), workload, tpot_only, **opts)
         log(f"{dev.name}: prefill {prefill_rate[dev.name]:.2f} req/s, "
             f"decode {decode_rate[dev.name]:.2f} req/s per replica")
     bounds = []
@@ -121,14 +130,14 @@ def search(devices: Sequence[DeviceProfile], workload: Workload, slos: dict[str,
     bounds.sort(key=lambda b: -b[0])
     split = []
     for _, sysm in bounds[:top_k]:
-        rate, s = max_goodput_rate(sysm, workload, slos, target=target)
+        rate, s = max_goodput_rate(sysm, workload, slos, **opts)
         split.append(Candidate(sysm, rate, s))
         log(f"{sysm.describe()}: {rate:.2f} req/s")
     colocated = []
     for dev in devices:
         for policy in colocated_policies:
             sysm = ColocatedSystem(dev, 1, limits, policy, chunk_tokens)
-            rate, s = max_goodput_rate(sysm, workload, slos, target=target)
+            rate, s = max_goodput_rate(sysm, workload, slos, **opts)
             colocated.append(Candidate(sysm, rate, s))
             log(f"{sysm.describe()}: {rate:.2f} req/s")
     split.sort(key=lambda c: -c.goodput_per_dollar)

@@ -267,9 +267,15 @@ class _Decoder:
                 break
             self.running.append(self.waiting.popleft())
 
+    def attended(self) -> int:
+        """Context positions the step attends: rows x longest in this app's padded buffer,
+        the sum of the contexts in a paged engine."""
+        if self.limits.pow2_kv:
+            return len(self.running) * (max(s.kv_len for s in self.running) + 1)
+        return sum(s.kv_len + 1 for s in self.running)
+
     def step_cost(self) -> float:
-        span = max(s.kv_len for s in self.running) + 1
-        return self.device.decode_s(len(self.running), span)
+        return self.device.decode_ctx_s(len(self.running), self.attended())
 
     def end_step(self) -> None:
         now = self.clock.now
@@ -443,10 +449,9 @@ class Simulation:
             p_compute = dev.prefill.compute(chunk, chunk * ctx)
             p_memory = dev.prefill.memory(chunk, 0.0) - dev.prefill.memory.c0
             if dec.running:
-                span = max(s.kv_len for s in dec.running) + 1
-                b = len(dec.running)
-                d_compute = dev.decode.compute(b, b * span)
-                d_memory = dev.decode.memory(b, b * span)
+                b, ctx_tokens = len(dec.running), dec.attended()
+                d_compute = dev.decode.compute(b, ctx_tokens)
+                d_memory = dev.decode.memory(b, ctx_tokens)
             else:
                 d_compute, d_memory = 0.0, dev.prefill.memory.c0
             cost = dev.decode.overhead_s + max(p_compute + d_compute, p_memory + d_memory)

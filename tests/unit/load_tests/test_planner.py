@@ -295,7 +295,7 @@ def test_search_picks_the_obviously_better_hardware():
     w = Workload(1.0, LengthDist.fixed(200), LengthDist.fixed(8), 60, seed=3)
     res = planner_search.search([slow, fast], w, {"ttft": 1000, "tpot": 30},
                                 limits=NO_WAIT, max_per_phase=2, top_k=2,
-                                colocated_policies=("interleave",))
+                                colocated_policies=("interleave",), min_span_s=10.0)
     best = res["split"][0].system
     assert isinstance(best, SplitSystem)
     assert best.prefill.name == "fast" and best.decode.name == "fast"
@@ -310,7 +310,7 @@ def test_max_goodput_rate_finds_capacity():
     lim = EngineLimits(token_budget=100, prefill_max_rows=1, batch_wait_s=0.0, pow2_kv=False)
     w = Workload(1.0, LengthDist.fixed(100), LengthDist.fixed(2), 300, seed=4)
     rate, s = planner_search.max_goodput_rate(SplitSystem(dev, dev, 1, 1, lim), w,
-                                              {"ttft": 500})
+                                              {"ttft": 500}, min_span_s=20.0)
     # capacity is 10 req/s; a 500 ms TTFT target is met by 90% somewhat below it
     assert 5.0 < rate < 10.0
     assert s is not None and s["good_fraction"] >= 0.9
