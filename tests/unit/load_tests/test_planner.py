@@ -322,3 +322,13 @@ def test_cli_simulate_runs(capsys):
                          "--kv-layout", "paged", "--max-batch-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "split 1xH100 : 1xA100" in out and "per M output tokens" in out
+
+
+def test_padded_batch_attends_rows_times_longest_paged_attends_each_context():
+    dev = DeviceProfile("ctx", PassCost(0.0, Linear(0.0, 0.0, 0.0)),
+                        PassCost(0.0, Linear(0.0, 0.0, 1e-4)), 1000, 1 << 20, hop_gbs=1e9)
+    arrivals = [Arrival(0.0, 100, 2), Arrival(0.0, 1000, 2)]
+    for pow2, expected in ((True, 2 * 1001 * 1e-4), (False, (101 + 1001) * 1e-4)):
+        lim = EngineLimits(batch_wait_s=0.0, pow2_kv=pow2)
+        recs = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
+        assert [r.e2e_s - r.ttft_s for r in recs] == pytest.approx([expected] * 2)
