@@ -356,7 +356,9 @@ class Simulation:
             decoders[j].waiting.append(r)
             if not d_busy[j]:
                 d_busy[j] = True
-                decode_step(j)
+                # after the other events of this instant: sequences that arrive together
+                # join the same first step
+                clock.at(clock.now, lambda: decode_step(j))
 
         def decode_step(j: int) -> None:
             dec = decoders[j]

@@ -326,7 +326,7 @@ def test_cli_simulate_runs(capsys):
 
 def test_padded_batch_attends_rows_times_longest_paged_attends_each_context():
     dev = DeviceProfile("ctx", PassCost(0.0, Linear(0.0, 0.0, 0.0)),
-                        PassCost(0.0, Linear(0.0, 0.0, 1e-4)), 1000, 1 << 20, hop_gbs=1e9)
+                        PassCost(0.0, Linear(0.0, 0.0, 1e-4)), 0, 1 << 20)
     arrivals = [Arrival(0.0, 100, 2), Arrival(0.0, 1000, 2)]
     for pow2, expected in ((True, 2 * 1001 * 1e-4), (False, (101 + 1001) * 1e-4)):
         lim = EngineLimits(batch_wait_s=0.0, pow2_kv=pow2)
