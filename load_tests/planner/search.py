@@ -168,25 +168,22 @@ def table(result: dict[str, list[Candidate]], budget_per_hour: float) -> str:
 
 
 def plot(result: dict[str, list[Candidate]], path: str, title: str = "") -> None:
+    """Bars: good requests per dollar of every candidate, split and colocated."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for kind, marker in (("split", "o"), ("colocated", "s")):
-        cs = result[kind]
-        ax.scatter([c.price_per_hour for c in cs], [c.goodput_rps for c in cs], marker=marker,
-                   label=kind)
-        for c in cs:
-            ax.annotate(c.system.describe().replace("colocated ", "").replace("split ", ""),
-                        (c.price_per_hour, c.goodput_rps), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("price, $/hour")
-    ax.set_ylabel("goodput, requests/s at SLO attainment")
-    ax.set_title(title or "goodput vs price")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    rows = [(c.system.describe(), c.goodput_per_dollar, kind)
+            for kind in ("split", "colocated") for c in result[kind]]
+    rows.sort(key=lambda r: r[1])
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.2))
+    colors = {"split": "tab:blue", "colocated": "tab:orange"}
+    ax.barh([r[0] for r in rows], [r[1] for r in rows], color=[colors[r[2]] for r in rows])
+    ax.set_xlabel("requests meeting the SLOs per dollar (goodput x 3600 / $ per hour)")
+    ax.set_title(title or "goodput per dollar", fontsize=9)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
