@@ -8,8 +8,9 @@
 #   flock /tmp/splitserve-ray-cluster.lock load_tests/interference.sh
 #
 # Knobs (environment): STREAMS (concurrent decode streams, 4; each run sends two rounds),
-# DOC_RATE (long prompts/s, 0.2), MAX_DOCS (bound on long prompts, 100), CONFIGS
-# ("local local-colocated"), OUT.
+# DOC_RATE (long prompts/s, 0.2), DOC_OUTPUT (their output tokens, 16; 1 keeps them out of
+# the decode batch), MAX_DOCS (bound on long prompts, 100), CONFIGS ("local
+# local-colocated"), OUT.
 # Starts its own Ray head, so no other Ray may run here; stops everything on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,7 @@ BIN=.venv/bin
 STREAMS=${STREAMS:-4}
 DOC_RATE=${DOC_RATE:-0.2}
 MAX_DOCS=${MAX_DOCS:-100}
+DOC_OUTPUT=${DOC_OUTPUT:-16}
 CONFIGS=${CONFIGS:-"local local-colocated"}
 OUT=${OUT:-load_tests/results/interference-$(date +%Y%m%d-%H%M%S)}
 URL=http://127.0.0.1:8000
@@ -67,7 +69,7 @@ for cfg in $CONFIGS; do
   # stream ends (docs are the background class: they stop once the decode streams are done)
   "$PY" -m load_tests.loadgen --base-url "$URL" --endpoint completions --label "$cfg" \
     --class "$DECODE,n=$((2 * STREAMS))" \
-    --class "name=docs,input=1024,output=16,rate=$DOC_RATE,n=$MAX_DOCS,background=1" \
+    --class "name=docs,input=1024,output=$DOC_OUTPUT,rate=$DOC_RATE,n=$MAX_DOCS,background=1" \
     --duration 300 --no-progress \
     --out "$OUT/$cfg-loaded" | tee "$OUT/$cfg-loaded.txt"
   serve_shutdown
