@@ -89,3 +89,37 @@ def test_phase_options_map_to_ray_options():
     d = args.decode.deployment_options()
     assert d["autoscaling_config"]["max_replicas"] == 4
     assert args.engine_config("prefill").num_threads == 1
+
+
+def test_gpu_args_per_phase_device_map():
+    args = AppArgs.model_validate({
+        "device": "cuda", "dtype": "bfloat16",
+        "prefill": {"resource_tag": "p", "num_gpus": 1},
+        "decode": {"resource_tag": "d", "num_gpus": 4},
+    })
+    assert args.engine_config("prefill").device_map is None  # one GPU: no spreading
+    decode = args.engine_config("decode")
+    assert (decode.device, decode.device_map, decode.num_gpus) == ("cuda", "auto", 4)
+    assert args.decode.ray_actor_options()["num_gpus"] == 4  # Ray gives it all four
+    assert AppArgs.model_validate({
+        "device": "cuda", "device_map": "balanced", "prefill": {"num_gpus": 0.5},
+        "decode": {"num_gpus": 2}}).engine_config("decode").device_map == "balanced"
+    # on the cpu num_gpus spreads nothing
+    assert AppArgs.model_validate({"decode": {"num_gpus": 2}}).engine_config(
+        "decode").device_map is None
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"device": "cuda", "prefill": {"num_gpus": 1}}, "decode: device 'cuda' needs num_gpus"),
+        ({"device": "cuda", "decode": {"num_gpus": 1}}, "prefill: device 'cuda' needs num_gpus"),
+        ({"decode": {"num_gpus": 1.5}}, "whole number"),
+        ({"device": "cuda:1", "prefill": {"num_gpus": 2}, "decode": {"num_gpus": 1}},
+         "needs device 'cuda' \\(no index\\)"),
+        ({"device_map": "everywhere"}, "device_map"),
+    ],
+)
+def test_gpu_args_refused_at_deploy_time(bad, match):
+    with pytest.raises(ValidationError, match=match):
+        AppArgs.model_validate(bad)
