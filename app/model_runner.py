@@ -18,6 +18,7 @@ Inputs go to the embedding's device, logits come from the LM head's device.
 from __future__ import annotations
 
 import inspect
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -113,10 +114,12 @@ class _BatchCacheView:
         return k, v
 
 
-def _module_device(module: torch.nn.Module) -> torch.device:
-    tensor = next(module.parameters(), None)
+def _module_device(module: torch.nn.Module, default: torch.device | None = None) -> torch.device:
+    """Where a module's weights (or, lacking any, its buffers) live."""
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
     if tensor is None:
-        tensor = next(module.buffers())
+        assert default is not None, f"{type(module).__name__} holds no tensors"
+        return default
     return tensor.device
 
 
@@ -144,7 +147,7 @@ class ModelRunner:
         self.spans = layer_spans(self.layer_devices)
         self.kv_device = self.spans[0].device  # where a KV package is loaded first
         self.output_device = _module_device(self.lm_head)  # logits come from here
-        self._rotary_device = _module_device(self.rotary_emb)
+        self._rotary_device = _module_device(self.rotary_emb, default=self.device)
         self._norm_device = _module_device(self.norm)
         self.multi_device = len({self.device, self.output_device, self._rotary_device,
                                  self._norm_device, *self.layer_devices}) > 1
