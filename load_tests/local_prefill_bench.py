@@ -1,7 +1,7 @@
 """Where the KV hop stops paying: prefill a prompt on the decode replica itself, or send it
 to the prefill deployment?
 
-    python -m load_tests.local_prefill_bench [--lengths 8,16,32,64,128,256,512] [--reps 5]
+    python -m load_tests.local_prefill_bench [--lengths 4,8,16,24,32,48,64,128,256] [--reps 7]
                                              [--streams 4] [--json out.json]
 
 Builds the test topology (head: ingress; a node with only `prefill_accel`, one with only
@@ -118,10 +118,11 @@ async def measure(url_of: dict[str, str], lengths: list[int], reps: int,
                 stalls, ttfts = [], []
                 for _ in range(reps):
                     probe = await stream(client, url, prompt_ids(n, salt := salt + 1), 1)
+                    # the token that ends a stall arrives after the probe's first token
+                    await asyncio.sleep(max(0.5, 4 * median_gap))
                     gap = max_gap_within(background, probe.sent, probe.chunk_times[0])
                     stalls.append(max(0.0, (gap or median_gap) - median_gap))
                     ttfts.append(probe.ttft_s)
-                    await asyncio.sleep(0.3)
                 out["stall_s"].setdefault(app, {})[n] = statistics.median(stalls)
                 out["busy_ttft_s"].setdefault(app, {})[n] = statistics.median(ttfts)
             stop.set()
@@ -145,8 +146,8 @@ def recommend(results: dict, lengths: list[int]) -> tuple[int, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="8,16,32,64,128,256,512")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--lengths", default="4,8,16,24,32,48,64,128,256")
+    parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
