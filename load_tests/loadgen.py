@@ -399,9 +399,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             "model": model, "temperature": args.temperature, "seed": args.seed,
             "duration_s": args.duration, "drain_timeout_s": args.drain_timeout,
             "slos_ms": slos, "argv": sys.argv[1:],
-            "classes": [{**asdict(c), "input_len": None if c.input_len is None
-                         else asdict(c.input_len), "output_len": asdict(c.output_len)}
-                        for c in classes],
+            "classes": [asdict(c) for c in classes],
             "streams": [s.describe() for s in base_streams],
         },
         "runs": [],
