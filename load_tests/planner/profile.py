@@ -45,13 +45,15 @@ def fit_linear(x1: Sequence[float], x2: Sequence[float], y: Sequence[float]) -> 
     cheaper with more work: a negative slope is noise, refit without that feature)."""
     a = np.column_stack([np.ones(len(y)), np.asarray(x1, float), np.asarray(x2, float)])
     yv = np.asarray(y, float)
-    coef, *_ = np.linalg.lstsq(a, yv, rcond=None)
-    for drop in (2, 1):
-        if coef[drop] < 0:
-            keep = [i for i in range(3) if i != drop and (i == 0 or coef[i] >= 0)]
-            sub, *_ = np.linalg.lstsq(a[:, keep], yv, rcond=None)
-            coef = np.zeros(3)
-            coef[keep] = sub
+    keep = [0, 1, 2]
+    while True:
+        sub, *_ = np.linalg.lstsq(a[:, keep], yv, rcond=None)
+        coef = np.zeros(3)
+        coef[keep] = sub
+        negative = [i for i in keep[1:] if coef[i] < 0]
+        if not negative:
+            break
+        keep.remove(min(negative, key=lambda i: coef[i] * np.abs(a[:, i]).max()))
     return Linear(float(coef[0]), float(coef[1]), float(coef[2]))
 
 

@@ -123,6 +123,8 @@ def test_fit_linear_recovers_coefficients_and_clamps_negative_slopes():
     assert (fit.c0, fit.c1, fit.c2) == pytest.approx((0.5, 0.1, 0.01))
     noisy = fit_linear([1, 2, 3, 4], [4, 3, 2, 1], [1.0, 2.0, 3.0, 4.0])
     assert noisy.c2 >= 0 and noisy.c1 == pytest.approx(1.0)
+    falling = fit_linear([1, 2, 3, 4], [1, 2, 3, 4], [4.0, 3.0, 2.0, 1.0])
+    assert (falling.c1, falling.c2) == (0.0, 0.0) and falling.c0 == pytest.approx(2.5)
 
 
 def test_device_from_measurement_fits_passes_and_hop():
