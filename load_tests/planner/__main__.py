@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     pv.add_argument("--colocated", default=None, help="results.json of the colocated app")
     pv.add_argument("--slo", nargs="+", default=None, metavar="NAME:MS",
                     help="default: the SLOs the runs were made with")
+    pv.add_argument("--engine-profile", nargs="+", default=[],
+                    help="profiles whose prefill/decode fits replace --profile's (e.g. taken "
+                    "under the same lock right before the runs); hop and overhead stay")
     pv.add_argument("--json", default=None, help="also write the comparison here")
 
     pz = sub.add_parser("search", help="best split vs colocated fleet per dollar")
@@ -147,7 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         if not results:
             ap.error("give --split and/or --colocated results")
         slos = parse_slos(args.slo) if args.slo else None
-        comps = validate.validate(load_devices(args.profile), results, slos)
+        devices = load_devices(args.profile)
+        for path in args.engine_profile:
+            for name, dev in load_devices(path).items():
+                if name in devices:
+                    devices[name] = dataclasses.replace(devices[name], prefill=dev.prefill,
+                                                        decode=dev.decode)
+        comps = validate.validate(devices, results, slos)
         print(validate.table(comps))
         if args.json:
             Path(args.json).write_text(json.dumps(comps, indent=1))

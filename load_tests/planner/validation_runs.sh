@@ -8,7 +8,9 @@
 #
 # then `python -m load_tests.planner validate --profile ... RESULTS.json` replays each run's
 # arrivals through the simulator. Knobs (environment): INPUT (prompt tokens, 256), OUTPUT
-# (output tokens, 32), RATES ("0.3,0.6,0.9"), N (requests per rate, 30), OUT.
+# (output tokens, 32), RATES ("0.3,0.6,0.9"), N (requests per rate, 30), OUT, PROFILE (1:
+# first profile the engine passes under the same lock, so the simulator sees the machine as the
+# runs do: $OUT/engine-profile.json, for validate --engine-profile).
 # Starts its own Ray head, so no other Ray may run here; stops everything on exit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,6 +40,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
+if [ "${PROFILE:-1}" = 1 ]; then
+  threads=1; [ "$CFG" = local-colocated ] && threads=2
+  "$PY" -m load_tests.planner profile --no-hop --quick --threads "$threads" \
+    --out "$OUT/engine-profile.json" >"$OUT/engine-profile.log" 2>&1
+fi
 "$BIN/ray" start --head --resources='{"prefill_accel": 2, "decode_accel": 2}' --num-cpus 4 \
   --include-dashboard=false --disable-usage-stats >"$OUT/ray-start.log" 2>&1
 PYTHONPATH=$PWD "$BIN/serve" run --non-blocking "serve_configs/$CFG.yaml" >"$OUT/serve.log" 2>&1
