@@ -169,14 +169,18 @@ def table(result: dict[str, list[Candidate]], budget_per_hour: float) -> str:
 
 def plot(result: dict[str, list[Candidate]], path: str, title: str = "") -> None:
     """Bars: good requests per dollar of every candidate, split and colocated."""
+    plot_rows([(c.system.describe(), c.goodput_per_dollar, kind)
+               for kind in ("split", "colocated") for c in result[kind]], path, title)
+
+
+def plot_rows(rows: list[tuple[str, float, str]], path: str, title: str = "") -> None:
+    """``rows``: (system, good requests per dollar, "split" | "colocated")."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(c.system.describe(), c.goodput_per_dollar, kind)
-            for kind in ("split", "colocated") for c in result[kind]]
-    rows.sort(key=lambda r: r[1])
+    rows = sorted(rows, key=lambda r: r[1])
     fig, ax = plt.subplots(figsize=(8, 0.3 * len(rows) + 1.2))
     colors = {"split": "tab:blue", "colocated": "tab:orange"}
     ax.barh([r[0] for r in rows], [r[1] for r in rows], color=[colors[r[2]] for r in rows])
