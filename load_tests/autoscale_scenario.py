@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-sequences", type=int, default=4,
                         help="decode policy: sequences one replica should run")
     parser.add_argument("--json", default="load_tests/results/autoscale_scenario.json")
-    parser.add_argument("--png", default="docs/autoscale_scenario.png")
+    parser.add_argument("--png", default="docs/benchmarks/issue4-autoscale-scenario.png")
     args = parser.parse_args(argv)
 
     from ray import serve
