@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     pv.add_argument("--engine-profile", nargs="+", default=[],
                     help="profiles whose prefill/decode fits replace --profile's (e.g. taken "
                     "under the same lock right before the runs); hop and overhead stay")
+    pv.add_argument("--slowdown", type=float, default=1.0,
+                    help="multiply every engine pass by this (the share of the cores the "
+                    "serving stack takes; e.g. calibrated on the lowest-rate run)")
     pv.add_argument("--json", default=None, help="also write the comparison here")
 
     pz = sub.add_parser("search", help="best split vs colocated fleet per dollar")
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name in devices:
                     devices[name] = dataclasses.replace(devices[name], prefill=dev.prefill,
                                                         decode=dev.decode)
+        devices = {n: d.slowed(args.slowdown) for n, d in devices.items()}
         comps = validate.validate(devices, results, slos)
         print(validate.table(comps))
         if args.json:

@@ -249,6 +249,15 @@ class DeviceProfile:
             d[key] = PassCost(p["overhead_s"], Linear(**p["compute"]), Linear(**p["memory"]))
         return cls(**d)
 
+    def slowed(self, factor: float) -> DeviceProfile:
+        """Every engine pass ``factor`` times slower (the cores shared with the serving stack)."""
+        def scale(c: PassCost) -> PassCost:
+            lin = [Linear(x.c0 * factor, x.c1 * factor, x.c2 * factor)
+                   for x in (c.compute, c.memory)]
+            return PassCost(c.overhead_s * factor, lin[0], lin[1])
+
+        return replace(self, prefill=scale(self.prefill), decode=scale(self.decode))
+
     def with_price(self, price_per_hour: float) -> DeviceProfile:
         return replace(self, price_per_hour=price_per_hour)
 

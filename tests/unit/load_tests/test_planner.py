@@ -106,6 +106,14 @@ def test_every_preset_names_its_source():
         assert "datasheet" in spec.source and spec.price_per_hour > 0
 
 
+def test_slowed_profile_scales_every_pass():
+    prof = roofline_profile(HARDWARE["A100"], LLAMA_31_8B)
+    slow = prof.slowed(1.5)
+    assert slow.prefill_s(4, 1000) == pytest.approx(1.5 * prof.prefill_s(4, 1000))
+    assert slow.decode_s(8, 500) == pytest.approx(1.5 * prof.decode_s(8, 500))
+    assert slow.hop_s(10**6) == prof.hop_s(10**6)
+
+
 def test_device_profile_roundtrips_through_dict():
     prof = roofline_profile(HARDWARE["A100"], LLAMA_31_8B)
     again = DeviceProfile.from_dict(json.loads(json.dumps(prof.to_dict())))
