@@ -43,7 +43,11 @@ def _devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
         from load_tests.planner.profile import load_devices
 
         devs.update(load_devices(args.profile))
-    model = hardware.MODELS[args.model]
+    if args.model in hardware.MODELS:
+        model = hardware.MODELS[args.model]
+    else:  # a transformers config.json
+        model = hardware.ModelSpec.from_config(json.loads(Path(args.model).read_text()),
+                                               name=Path(args.model).parent.name or None)
     eff = hardware.Efficiency()
     eff_hop = getattr(args, "hop_gbs", None)
     for name, spec in hardware.HARDWARE.items():
@@ -70,7 +74,8 @@ def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
     p.add_argument("--profile", default=None, help="measured profile JSON (devices cpu-1t, "
                    "cpu-2t ...) besides the roofline presets")
     p.add_argument("--model", default="llama-3.1-8b" if gpu_defaults else "smollm2-135m",
-                   choices=sorted(hardware.MODELS), help="model of the roofline presets")
+                   help=f"model of the roofline profiles: {', '.join(sorted(hardware.MODELS))} "
+                   "or the path of a transformers config.json")
     p.add_argument("--hop-gbs", type=float, default=None,
                    help="KV hop bandwidth GB/s for roofline devices (default: their network)")
     p.add_argument("--input-len", default="lognormal:2048:0.6:256:8000")

@@ -342,3 +342,18 @@ def test_padded_batch_attends_rows_times_longest_paged_attends_each_context():
         lim = EngineLimits(batch_wait_s=0.0, pow2_kv=pow2)
         recs = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
         assert [r.e2e_s - r.ttft_s for r in recs] == pytest.approx([expected] * 2)
+
+
+def test_cli_takes_a_transformers_config_file(tmp_path, capsys):
+    cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+           "torch_dtype": "bfloat16"}
+    (tmp_path / "llama").mkdir()
+    path = tmp_path / "llama" / "config.json"
+    path.write_text(json.dumps(cfg))
+    args = ["simulate", "--prefill", "H100", "--decode", "H100", "--num-requests", "10",
+            "--rate", "2", "--kv-layout", "paged", "--max-batch-size", "64", "--seed", "5"]
+    assert planner_main([*args, "--model", str(path)]) == 0
+    from_file = capsys.readouterr().out
+    assert planner_main([*args, "--model", "llama-3.1-8b"]) == 0
+    assert capsys.readouterr().out == from_file
