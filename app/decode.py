@@ -321,6 +321,14 @@ class DecodeLoop:
         if queue is not None:
             queue.put_nowait(event)
 
+    def fail_streams(self, message: str) -> int:
+        """End every open stream with an error event at once, without touching the decoder
+        (which may be stuck in a step). Used when the replica declares itself unhealthy."""
+        queues = list(self._queues.items())
+        for rid, queue in queues:
+            queue.put_nowait(TokenEvent(rid, None, -1, FinishReason.ERROR.value, error=message))
+        return len(queues)
+
     def stalled_s(self) -> float:
         """How long the loop has been stuck: the age of a step still running, infinite when
         the loop task died with work left, else 0."""

@@ -109,3 +109,11 @@ class AuthenticationError(EngineError):
 
     def __init__(self, message: str = "missing or invalid API key") -> None:
         super().__init__(message, code="invalid_api_key")
+
+
+class ReplicaUnhealthyError(ServiceUnavailableError):
+    """A replica found itself wedged and gave up its streams; the ingress re-runs them on
+    another replica."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after_s=1.0, code="replica_unhealthy")

@@ -13,6 +13,7 @@ import ray
 from ray import serve
 
 from app.chat import PromptBuilder
+from app.errors import ReplicaUnhealthyError
 from app.kv_package import KVPackage
 from app.local_engine import EngineCore
 from app.model_loader import load_tokenizer
@@ -29,10 +30,15 @@ def current_replica_id() -> str:
         return ""
 
 
-async def inject_fault(args: AppArgs, core: EngineCore, kind: str, seconds: float) -> str:
-    """Shared by the phase servers: refuse unless fault injection is enabled in the args."""
+async def inject_fault(args: AppArgs, core: EngineCore, kind: str, seconds: float,
+                       target: str | None = None) -> str:
+    """Shared by the phase servers: refuse unless fault injection is enabled in the args.
+    With ``target``, only the replica of that id acts; every call returns the id of the
+    replica that received it."""
     if not args.enable_fault_injection:
         raise PermissionError("fault injection is disabled (enable_fault_injection: false)")
+    if target is not None and target != current_replica_id():
+        return current_replica_id()
     if kind == "crash":
         os._exit(1)
     if kind == "stall":
@@ -83,6 +89,7 @@ class DecodeServer:
         self.kv_bytes_received = 0
         self.hop_s_total = 0.0
         self._stats_task: asyncio.Task | None = None
+        self.unhealthy: str | None = None  # set when the health check finds the loop wedged
 
     async def generate(self, wrapped_ref: list[ray.ObjectRef]) -> AsyncIterator[Any]:
         """Stream one request: a :class:`StreamStart`, then :class:`TokenEvent` items.
@@ -104,7 +111,7 @@ class DecodeServer:
                           replica_id=self.replica_id)
         events = self.loop.generate(package)
         del package
-        async for event in events:
+        async for event in self._checked(events):
             yield event
 
     async def generate_local(self, req: PrefillRequest) -> AsyncIterator[Any]:
@@ -128,7 +135,13 @@ class DecodeServer:
                           local_prefill=True, replica_id=self.replica_id)
         events = self.loop.generate(package)
         del package
+        async for event in self._checked(events):
+            yield event
+
+    async def _checked(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for event in events:
+            if getattr(event, "error", None) is not None and self.unhealthy:
+                raise ReplicaUnhealthyError(f"decode replica unhealthy: {event.error}")
             yield event
 
     def _ensure_stats_task(self) -> None:
@@ -189,12 +202,17 @@ class DecodeServer:
         replica. A decode loop wedged in one step (or dead with work left) fails it."""
         stalled = self.loop.stalled_s()
         if stalled > self.args.decode_stall_timeout_s:
-            raise RuntimeError(
-                f"decode loop stalled for {stalled:.0f}s (limit "
-                f"{self.args.decode_stall_timeout_s:g}s) with {self.loop.num_active} streams")
+            message = (f"decode loop stalled for {stalled:.0f}s (limit "
+                       f"{self.args.decode_stall_timeout_s:g}s)")
+            # hand the streams back now (the ingress resumes them elsewhere) rather than
+            # holding them while Serve stops this replica
+            self.unhealthy = message
+            self.loop.fail_streams(message)
+            raise RuntimeError(message)
 
-    async def inject_fault(self, kind: str, seconds: float = 0.0) -> str:
+    async def inject_fault(self, kind: str, seconds: float = 0.0,
+                           target: str | None = None) -> str:
         """Fault tests only (``enable_fault_injection``): ``stall`` wedges the decode loop
         for ``seconds`` by holding the model (returns this replica's id); ``crash`` kills
         this replica's process."""
-        return await inject_fault(self.args, self.core, kind, seconds)
+        return await inject_fault(self.args, self.core, kind, seconds, target)

@@ -32,6 +32,7 @@ from app.errors import (
     ModelNotFoundError,
     PayloadTooLargeError,
     QueueFullError,
+    ReplicaUnhealthyError,
     RequestTimeoutError,
     ServiceUnavailableError,
 )
@@ -140,6 +141,7 @@ RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (
     ray.exceptions.WorkerCrashedError,
     ray.exceptions.NodeDiedError,
     serve.exceptions.DeploymentUnavailableError,
+    ReplicaUnhealthyError,  # a decode replica found itself wedged and gave up its streams
 )
 
 

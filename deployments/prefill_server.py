@@ -111,7 +111,8 @@ class PrefillServer:
     def ping(self) -> str:
         return self.node_id
 
-    async def inject_fault(self, kind: str, seconds: float = 0.0) -> str:
+    async def inject_fault(self, kind: str, seconds: float = 0.0,
+                           target: str | None = None) -> str:
         """Fault tests only (``enable_fault_injection``): ``stall`` holds the model for
         ``seconds``; ``crash`` kills this replica's process."""
-        return await inject_fault(self.args, self.core, kind, seconds)
+        return await inject_fault(self.args, self.core, kind, seconds, target)

@@ -243,3 +243,25 @@ async def test_resumed_stream_continues_exactly(tiny_model, temperature):
     await loop.close()
     assert [i for i, _ in full] == list(range(16))
     assert full[cut:] == rest
+
+
+async def test_fail_streams_ends_open_streams_at_once(tiny_model):
+    """A replica that finds itself wedged hands every open stream back with an error event,
+    without waiting for the stuck step."""
+    core = _core(tiny_model)
+    loop = core.make_decode_loop(frozenset())
+    [pkg] = core.make_prefiller().prefill(
+        [PrefillRequest("w", tuple(_prompts(1, seed=23)[0]),
+                        SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))])
+    gen = loop.generate(pkg)
+    await gen.__anext__()
+    with core.runner.lock:  # wedge: the next step cannot run
+        await asyncio.sleep(0.05)
+        assert loop.fail_streams("stalled") == 1
+        events = []
+        async for ev in gen:
+            events.append(ev)
+            if ev.error is not None:
+                break
+    assert events[-1].error == "stalled" and events[-1].finish_reason == "error"
+    await loop.close()
