@@ -16,6 +16,7 @@ import torch
 from app.errors import InvalidRequestError
 
 _MAX_STOP_STRINGS = 16
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily
 _SEED_MASK = (1 << 63) - 1
 
 
@@ -64,7 +65,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # a temperature this small divides logits to inf: it means greedy
+        return self.temperature < GREEDY_EPS
 
     def with_seed(self) -> SamplingParams:
         """This request with a concrete seed (random when none was given)."""

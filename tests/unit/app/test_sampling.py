@@ -165,3 +165,17 @@ def test_repetition_penalty_lowers_seen_tokens():
     neg = torch.full((1, V), -50.0)
     neg[0, 9], neg[0, 11] = -1.0, -1.5
     assert sample_tokens(neg, [penal], [0], history=[[9]]) == [11]
+
+
+def test_vanishing_temperature_is_greedy_not_nan():
+    """Found by fuzzing the API: temperature 1e-82 divided logits to inf and softmax to NaN."""
+    import torch
+
+    from app.sampling import SamplingParams, sample_tokens
+
+    logits = torch.tensor([[0.1, 3.0, -2.0, 2.9]])
+    for t in (1e-82, 1e-6):
+        sp = SamplingParams(temperature=t, seed=1)
+        assert sp.greedy
+        assert sample_tokens(logits, [sp], [0]) == [1]
+    assert not SamplingParams(temperature=1e-4, seed=1).greedy
