@@ -9,8 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from app.config import DEFAULT_MODEL, EngineConfig
 from deployments.autoscaling import DecodeParams, PrefillParams
 
-# Prompts shorter than this are prefilled on the decode replica (see BENCHMARKS.md,
-# "Autoscaling and routing", for the measurement behind it).
+# Prompts shorter than this are prefilled on the decode replica. Measured on the development
+# machine (BENCHMARKS.md, issue 4; `python -m load_tests.local_prefill_bench`): the hop costs
+# 12-34 ms of TTFT at every length from 4 to 256 tokens, while a local prefill of even 4 tokens
+# stretches the running streams' longest token gap by over 100 ms more than the hop does, so
+# the hop pays at every length there and every prompt hops by default.
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 0
 
 

@@ -11,13 +11,14 @@ autoscaling on their own policies (1..2 replicas, short delays) and drives it ov
     warm-up (idle) | prefill-heavy | decode-heavy | prefill-heavy | cool-down (idle)
 
 * prefill-heavy: `--prefill-clients` closed-loop clients, 1024-token prompts, 2 output tokens;
-* decode-heavy: `--decode-clients` closed-loop clients, 32-token prompts, 128 output tokens.
+* decode-heavy: `--decode-clients` closed-loop clients, 32-token prompts, 64 output tokens.
 
 Every 0.5 s it samples the running replicas of each phase (`serve.status()`). From the
 requests (each timed by `load_tests.client.send_streaming`) it rebuilds each phase's queue as
 a client sees it: prompt tokens sent and not yet answered by a first token (waiting for
 prefill), and streams between their first and last token (decoding); and the TTFT / TPOT of
-the requests finishing around each moment. Writes the timeline as JSON and draws it (replicas,
+the requests finishing around each moment (TTFT of the long prompts, TPOT of the long
+outputs: each phase's own latency). Writes the timeline as JSON and draws it (replicas,
 queues, latency vs time, workload phases shaded) as a PNG.
 """
 
@@ -42,7 +43,7 @@ APP = "autoscale-scenario"
 SAMPLE_S = 0.5
 LATENCY_WINDOW_S = 5.0
 PREFILL_PROMPT, PREFILL_OUTPUT = 1024, 2
-DECODE_PROMPT, DECODE_OUTPUT = 32, 128
+DECODE_PROMPT, DECODE_OUTPUT = 32, 64
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,11 @@ def timeline(records: list[RequestRecord], samples: list[tuple[float, int, int]]
                                                     or t < r.sent_at + r.ttft_s))
         decoding = sum(1 for r in ok if r.sent_at + r.ttft_s <= t < r.sent_at + r.e2e_s
                        and r.output_tokens > 1)
-        recent_first = [r.ttft_s for r in ok
-                        if t - LATENCY_WINDOW_S < r.sent_at + r.ttft_s <= t]
-        recent_done = [r.tpot_s for r in ok if r.tpot_s is not None
+        # TTFT of the long prompts (prefill's latency), TPOT of the long outputs (decode's)
+        recent_first = [r.ttft_s for r in ok if r.request_class == "prefill-heavy"
+                        and t - LATENCY_WINDOW_S < r.sent_at + r.ttft_s <= t]
+        recent_done = [r.tpot_s for r in ok if r.request_class == "decode-heavy"
+                       and r.tpot_s is not None
                        and t - LATENCY_WINDOW_S < r.sent_at + r.e2e_s <= t]
         rows.append({
             "t_s": round(t, 2), "prefill_replicas": prefill, "decode_replicas": decode,
@@ -177,8 +180,10 @@ def summarize(rows: list[dict], phases: list[Phase], records: list[RequestRecord
             return None if hit is None else round(hit - p.start_s, 1)
 
         reqs = [r for r in records if r.ok and p.start_s <= r.sent_at < p.end_s]
-        ttfts = [r.ttft_s for r in reqs if r.ttft_s is not None]
-        tpots = [r.tpot_s for r in reqs if r.tpot_s is not None]
+        ttfts = [r.ttft_s for r in reqs if r.ttft_s is not None
+                 and r.request_class == "prefill-heavy"]
+        tpots = [r.tpot_s for r in reqs if r.tpot_s is not None
+                 and r.request_class == "decode-heavy"]
         out["phases"].append({
             "phase": p.name, "start_s": p.start_s, "end_s": p.end_s,
             "prefill_replicas_max": max(r["prefill_replicas"] for r in inside),
@@ -236,12 +241,12 @@ def plot(rows: list[dict], phases: list[Phase], path: Path, title: str) -> None:
     tpot = [(r["t_s"], r["tpot_p50_s"] * 1000) for r in rows if r["tpot_p50_s"] is not None]
     if ttft:
         ax_lat.plot(*zip(*ttft, strict=True), ".", ms=3, color="tab:blue",
-                    label=f"TTFT p50 (last {LATENCY_WINDOW_S:.0f} s)")
+                    label=f"TTFT p50, long prompts (last {LATENCY_WINDOW_S:.0f} s)")
     ax_lat.set_ylabel("TTFT (s)", color="tab:blue")
     ax_lat2 = ax_lat.twinx()
     if tpot:
         ax_lat2.plot(*zip(*tpot, strict=True), ".", ms=3, color="tab:orange",
-                     label=f"TPOT p50 (last {LATENCY_WINDOW_S:.0f} s)")
+                     label=f"TPOT p50, long outputs (last {LATENCY_WINDOW_S:.0f} s)")
     ax_lat2.set_ylabel("TPOT (ms)", color="tab:orange")
     lines = ax_lat.get_legend_handles_labels()[0] + ax_lat2.get_legend_handles_labels()[0]
     ax_lat.legend(lines, [ln.get_label() for ln in lines], loc="upper right", fontsize=8)
@@ -250,6 +255,10 @@ def plot(rows: list[dict], phases: list[Phase], path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
               f"prefill max {p['prefill_replicas_max']} (2 after {p['prefill_at_2_after_s']} s,"
               f" end {p['prefill_replicas_end']})  decode max {p['decode_replicas_max']} "
               f"(2 after {p['decode_at_2_after_s']} s, end {p['decode_replicas_end']})  "
-              f"{p['requests']} req  TTFT p50 {p['ttft_p50_s']}  TPOT p50 {p['tpot_p50_s']}")
+              f"{p['requests']} req  long-prompt TTFT p50 {_ms(p['ttft_p50_s'])}  "
+              f"long-output TPOT p50 {_ms(p['tpot_p50_s'])}")
     print(f"{summary['requests']} requests, {summary['errors']} errors")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as fh:
