@@ -56,14 +56,18 @@ TARGET_KV_TOLERANCE = 0.05  # measured bytes/token within 5% of theory
 
 @dataclass
 class Plan:
-    rounds: int  # decode: ABBA rounds per batch size (each round = one raw + one engine block)
+    rounds: int  # decode: each round runs one block of every (batch, raw|engine) pair
+    min_rounds: int  # past this many rounds, stop once the decode phase exceeds its budget
+    decode_budget_s: float  # keeps a run on a busy machine near its usual length
     steps_per_block: int
     warmup_steps: int
     prefill_runs: int
 
 
-FULL = Plan(rounds=20, steps_per_block=4, warmup_steps=4, prefill_runs=5)
-QUICK = Plan(rounds=2, steps_per_block=4, warmup_steps=1, prefill_runs=1)
+FULL = Plan(rounds=20, min_rounds=10, decode_budget_s=150.0, steps_per_block=4,
+            warmup_steps=4, prefill_runs=5)
+QUICK = Plan(rounds=2, min_rounds=2, decode_budget_s=0.0, steps_per_block=4, warmup_steps=1,
+             prefill_runs=1)
 
 
 @dataclass
@@ -169,6 +173,7 @@ def bench_decode(core: EngineCore, plan: Plan, batches: tuple[int, ...]) -> list
         prompts = _random_prompts(b, CONTEXT, vocab, seed=b)
         runners[(b, "raw")] = RawDecode(core.model, prompts)
         runners[(b, "engine")] = EngineDecode(core, prompts, max_tokens=plan.steps_per_block + 8)
+    gc.freeze()  # model and runners: a gc.collect() between blocks then costs ~nothing
     for runner in runners.values():
         for _ in range(plan.warmup_steps):
             runner.step()
@@ -176,7 +181,11 @@ def bench_decode(core: EngineCore, plan: Plan, batches: tuple[int, ...]) -> list
     times: dict[tuple[int, str], list[float]] = {key: [] for key in runners}
     rng = random.Random(0)
     keys = list(runners)
-    for _ in range(plan.rounds):
+    start = time.perf_counter()
+    for r in range(plan.rounds):
+        if r >= plan.min_rounds and time.perf_counter() - start > plan.decode_budget_s:
+            print(f"  decode: time budget spent after {r} rounds", flush=True)
+            break
         rng.shuffle(keys)
         for key in keys:
             runner = runners[key]
@@ -365,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_thread_setting(config.num_threads)
     print(f"loading {config.model} with {torch.get_num_threads()} torch threads ...", flush=True)
     core = EngineCore(config, model=load_model(config))
+    gc.freeze()  # keep the model's objects out of every later collection
 
     phases: dict[str, float] = {"load": time.perf_counter() - t0}
     print("decode step (raw vs engine, interleaved) ...", flush=True)
@@ -388,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "quick": args.quick,
         "context_tokens": CONTEXT,
-        "decode_steps_per_side": plan.rounds * plan.steps_per_block,
+        "decode_steps_per_side": decode[0].raw_samples if decode else 0,
         "steps_per_block": plan.steps_per_block,
         "prefill_runs": plan.prefill_runs,
         "sampling": "greedy",
