@@ -56,7 +56,7 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     dtype: str = "float32"
-    kv_dtype: str | None = None  # None: same as dtype
+    kv_dtype: str | None = None  # KV package (wire) dtype; None: same as dtype
     device: str = "cpu"
     device_map: str | None = None  # one of DEVICE_MAPS; None: the whole model on `device`
     num_gpus: int = 1  # GPUs a device_map may use (a Ray replica sees exactly its own)

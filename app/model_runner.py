@@ -101,17 +101,14 @@ class _BatchCacheView:
         }
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # key_states: [B, kv_heads, 1, head_dim], on the layer's device, as is its buffer
+        # key_states: [B, kv_heads, 1, head_dim], on the layer's device and in the buffer's
+        # dtype (the model's), so attention reads the buffer in place, with no per-step copy
         buf = self.layers[layer_idx]  # [2, rows, kv_heads, capacity, head_dim]
         row_idx, positions = self.index[buf.device]
         keys, values = buf[0], buf[1]
-        keys[row_idx, :, positions] = key_states[:, :, 0].to(keys.dtype)
-        values[row_idx, :, positions] = value_states[:, :, 0].to(values.dtype)
-        k = keys[: self.rows, :, : self.span]
-        v = values[: self.rows, :, : self.span]
-        if k.dtype != key_states.dtype:
-            k, v = k.to(key_states.dtype), v.to(key_states.dtype)
-        return k, v
+        keys[row_idx, :, positions] = key_states[:, :, 0]
+        values[row_idx, :, positions] = value_states[:, :, 0]
+        return keys[: self.rows, :, : self.span], values[: self.rows, :, : self.span]
 
 
 def _module_device(module: torch.nn.Module, default: torch.device | None = None) -> torch.device:
@@ -248,10 +245,11 @@ class ModelRunner:
         parts = []
         for i, span in enumerate(self.spans):
             # zeros, not empty: masked positions are still multiplied by 0 in attention,
-            # NaN*0=NaN
+            # NaN*0=NaN. The model's dtype, not the KV package's: a package is cast once when
+            # it joins (load_row), never on every step.
             part = torch.zeros(
                 (span.stop - span.start, 2, rows, lay.num_kv_heads, capacity, lay.head_dim),
-                dtype=self.kv_dtype,
+                dtype=self.dtype,
                 device=span.device,
             )
             if old is not None:
@@ -262,7 +260,7 @@ class ModelRunner:
 
     def load_row(self, kv: BatchKV, row: int, package_kv: torch.Tensor) -> None:
         # package_kv: [layers, 2, kv_heads, n, head_dim], best on kv_device; each span's
-        # layers are copied (and cast to the KV dtype) onto that span's device
+        # layers are copied (and cast to the model's dtype) onto that span's device
         n = package_kv.shape[3]
         for span, part in zip(self.spans, kv.parts, strict=True):
             part[:, :, row, :, :n] = package_kv[span.start : span.stop]

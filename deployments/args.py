@@ -181,7 +181,9 @@ class AppArgs(BaseModel):
     served_model_name: str | None = Field(
         None, description="Name clients put in 'model'; default: the model setting.")
     dtype: str = Field("float32", description="Weights dtype: float32, bfloat16, float16.")
-    kv_dtype: str | None = Field(None, description="KV package/cache dtype; default: dtype.")
+    kv_dtype: str | None = Field(
+        None, description="dtype of the KV package that crosses the object store; default: dtype. "
+        "The decode batch holds KV in the model's dtype (a package is cast once on joining).")
     device: str = Field("cpu", description="'cpu' or 'cuda' for both phases.")
     device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] = Field(
         "auto", description="With device 'cuda', how a replica with num_gpus > 1 spreads the "

@@ -48,8 +48,8 @@ from app.protocol import (
 )
 from app.sequence import PrefillRequest, validate_prompt
 from deployments.args import AppArgs
-from deployments.decode_server import StreamStart
 from deployments.metrics import IngressMetrics
+from deployments.replica import StreamStart
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,6 @@ class RequestTrace:
     """Server-side timings of one request (seconds), for the handle API and load tests."""
 
     received: float = field(default_factory=time.perf_counter)
-    prefill_assigned: float | None = None
     stream_start: StreamStart | None = None
     first_token: float | None = None
     last_token: float | None = None

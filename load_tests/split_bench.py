@@ -2,10 +2,10 @@
 
     python -m load_tests.split_bench [--rounds 5] [--json out.json]
 
-Builds the test topology (head: ingress; one node offering only `prefill_accel`; one only
-`decode_accel`; each with its own object store), deploys the app with one torch thread per
-phase, and in the same process runs the engine alone with one thread. Rounds alternate
-between the two so machine noise hits both alike. Prints:
+Builds the test topology (`load_tests.topology`: head for the ingress; one node offering only
+`prefill_accel`; one only `decode_accel`; each with its own object store), deploys the app
+with one torch thread per phase, and in the same process runs the engine alone with one
+thread. Rounds alternate between the two so machine noise hits both alike. Prints:
 
 1. time per output token at concurrency 1 through HTTP streaming vs the engine's decode step
    (target: at most 1.15x);
@@ -69,35 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    import ray
     import torch
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from app.config import EngineConfig
     from app.local_engine import EngineCore
     from deployments.builder import build_app
-    from tests.integration.conftest import (
-        OBJECT_STORE,
-        _free_port,
-        test_app_args,
-        wait_ready,
-    )
+    from load_tests.topology import phase_args, split_topology, wait_ready
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"ingress_node": 1}, "object_store_memory": OBJECT_STORE})
-    prefill_node = cluster.add_node(num_cpus=1, resources={"prefill_accel": 1},
-                                    object_store_memory=OBJECT_STORE)
-    decode_node = cluster.add_node(num_cpus=1, resources={"decode_accel": 1},
-                                   object_store_memory=OBJECT_STORE)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, include_dashboard=False)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     results: dict = {}
-    try:
-        serve.run(build_app(test_app_args()), name="splitserve", route_prefix="/",
+    with split_topology(prefill_slots=1, decode_slots=1) as topo:
+        url = topo.url
+        serve.run(build_app(phase_args()), name="splitserve", route_prefix="/",
                   blocking=False)
         wait_ready(url, timeout_s=300)
         torch.set_num_threads(1)
@@ -131,16 +114,12 @@ def main(argv: list[str] | None = None) -> int:
             "hop_share": hop / ttft,
             "kv_package_bytes": kv_bytes, "kv_object_bytes": obj_size,
             "kv_locations": {
-                "prefill_node": prefill_node.node_id in locations,
-                "decode_node": decode_node.node_id in locations,
-                "head_node": cluster.head_node.node_id in locations,
+                "prefill_node": topo.prefill_id in locations,
+                "decode_node": topo.decode_id in locations,
+                "head_node": topo.head_id in locations,
             },
             "rounds": args.rounds,
         }
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
 
     ok = lambda cond: "PASS" if cond else "FAIL"  # noqa: E731
     r = results

@@ -5,22 +5,22 @@ object store."""
 from __future__ import annotations
 
 import contextlib
-import socket
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 
+from load_tests.topology import (
+    LOCK_PATH,
+    OBJECT_STORE_BYTES,
+    free_port,
+    phase_args,
+    wait_ready,
+)
+
 APP = "splitserve"
-OBJECT_STORE = 120 * 1024 * 1024
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# the test topology and its helpers are the benchmarks' too (load_tests/topology.py)
+app_args = phase_args
 
 
 @dataclass
@@ -36,43 +36,13 @@ class SplitCluster:
         return f"http://127.0.0.1:{self.port}"
 
 
-def test_app_args(**overrides) -> dict[str, Any]:
-    args: dict[str, Any] = {
-        "prefill": {"resource_tag": "prefill_accel", "num_cpus": 0.5, "num_threads": 1},
-        "decode": {"resource_tag": "decode_accel", "num_cpus": 0.5, "num_threads": 1},
-        "ingress": {"resource_tag": "ingress_node", "num_cpus": 0.1},
-        "prefill_batch_wait_s": 0.002,
-    }
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(args.get(key), dict):
-            args[key] = {**args[key], **value}
-        else:
-            args[key] = value
-    return args
-
-
-def wait_ready(url: str, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"{url}/health", timeout=10)
-            if r.status_code == 200 and r.json().get("ready"):
-                return
-            last = r.text
-        except httpx.HTTPError as exc:
-            last = repr(exc)
-        time.sleep(0.5)
-    raise TimeoutError(f"app not ready after {timeout_s}s: {last}")
-
-
 @pytest.fixture(scope="session")
 def ray_machine_lock():
     """One Ray cluster on this machine at a time (parallel test sessions would fight over
     ports and the two cores); free in CI, where one session runs."""
     import fcntl
 
-    with open("/tmp/splitserve-ray-cluster.lock", "w") as fh:
+    with open(LOCK_PATH, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -89,15 +59,15 @@ def split_cluster(ray_machine_lock):
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 2, "resources": {"ingress_node": 1},
-                        "object_store_memory": OBJECT_STORE},
+                        "object_store_memory": OBJECT_STORE_BYTES},
     )
     prefill = cluster.add_node(num_cpus=1, resources={"prefill_accel": 2},
-                               object_store_memory=OBJECT_STORE)
+                               object_store_memory=OBJECT_STORE_BYTES)
     decode = cluster.add_node(num_cpus=1, resources={"decode_accel": 2},
-                              object_store_memory=OBJECT_STORE)
+                              object_store_memory=OBJECT_STORE_BYTES)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, include_dashboard=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     try:
         yield SplitCluster(cluster, cluster.head_node.node_id, prefill.node_id, decode.node_id,
@@ -115,7 +85,7 @@ def split_app(split_cluster):
 
     from deployments.builder import build_app
 
-    serve.run(build_app(test_app_args()), name=APP, route_prefix="/", blocking=False)
+    serve.run(build_app(app_args()), name=APP, route_prefix="/", blocking=False)
     wait_ready(split_cluster.url)
     return split_cluster
 
@@ -139,5 +109,23 @@ def exclusive_app(cluster: SplitCluster, app, name: str, route_prefix: str):
     finally:
         serve.delete(name)
         if APP in running:
-            serve.run(build_app(test_app_args()), name=APP, route_prefix="/", blocking=False)
+            serve.run(build_app(app_args()), name=APP, route_prefix="/", blocking=False)
             wait_ready(cluster.url, timeout_s=240)
+
+
+def local_greedy(model, tokenizer, requests: list[tuple[Any, dict[str, Any]]]) -> list:
+    """The reference the app must match: each (SamplingParams, prompt= or messages=) request
+    run alone through the in-process LocalEngine; returns their GenerationOutputs."""
+    import asyncio
+
+    from app.config import EngineConfig
+    from app.local_engine import LocalEngine
+
+    engine = LocalEngine(EngineConfig(), model=model, tokenizer=tokenizer)
+
+    async def run() -> list:
+        outs = [await engine.generate(engine.make_request(sp, **kw)) for sp, kw in requests]
+        await engine.close()
+        return outs
+
+    return asyncio.run(run())

@@ -31,7 +31,7 @@ from app.local_engine import LocalEngine
 from app.sampling import SamplingParams
 from app.sequence import PrefillRequest
 from tests.integration.conftest import APP, wait_ready
-from tests.integration.conftest import test_app_args as split_app_args
+from tests.integration.conftest import app_args as split_app_args
 
 pytestmark = pytest.mark.integration
 
@@ -385,7 +385,7 @@ def reference(smollm_model, smollm_tokenizer) -> list[str]:
 
 
 def test_greedy_tokens_identical_prefilled_locally_or_remotely(autoscale_app, reference):
-    from deployments.decode_server import StreamStart
+    from deployments.replica import StreamStart
 
     url, _ = autoscale_app
     prefill = serve.get_deployment_handle("PrefillServer", AS_APP)

@@ -14,8 +14,6 @@ import openai
 import pytest
 from ray import serve
 
-from app.config import EngineConfig
-from app.local_engine import LocalEngine
 from app.sampling import SamplingParams
 from load_tests import loadgen
 from tests.integration import conftest as cluster
@@ -39,7 +37,7 @@ def colocated_url(split_cluster):
     node (a slice of its tag), deleted at the end of the module."""
     from deployments.builder import build_colocated_app
 
-    args = cluster.test_app_args(colocated={"resource_tag": "decode_accel", "resource_amount": 0.5,
+    args = cluster.app_args(colocated={"resource_tag": "decode_accel", "resource_amount": 0.5,
                                     "num_cpus": 0.25, "num_threads": 1})
     serve.run(build_colocated_app(args), name=COLO, route_prefix=PREFIX, blocking=False)
     url = split_cluster.url + PREFIX
@@ -53,23 +51,11 @@ def colocated_url(split_cluster):
 @pytest.fixture(scope="module")
 def reference(smollm_model, smollm_tokenizer):
     """Greedy outputs from the in-process LocalEngine: chat PROMPTS, then LONG and SHORT."""
-    engine = LocalEngine(EngineConfig(), model=smollm_model, tokenizer=smollm_tokenizer)
-
-    async def run():
-        outs = []
-        for p in PROMPTS:
-            req = engine.make_request(SamplingParams(max_tokens=24, temperature=0.0),
-                                      messages=[{"role": "user", "content": p}])
-            outs.append(await engine.generate(req))
-        for body in (LONG, SHORT):
-            req = engine.make_request(SamplingParams(max_tokens=body["max_tokens"],
-                                                     temperature=0.0, ignore_eos=True),
-                                      prompt=body["prompt"])
-            outs.append(await engine.generate(req))
-        await engine.close()
-        return outs
-
-    return asyncio.run(run())
+    chats = [(SamplingParams(max_tokens=24, temperature=0.0),
+              {"messages": [{"role": "user", "content": p}]}) for p in PROMPTS]
+    raw = [(SamplingParams(max_tokens=body["max_tokens"], temperature=0.0, ignore_eos=True),
+            {"prompt": body["prompt"]}) for body in (LONG, SHORT)]
+    return cluster.local_greedy(smollm_model, smollm_tokenizer, chats + raw)
 
 
 def test_colocated_greedy_matches_local_engine(colocated_url, reference):

@@ -22,8 +22,7 @@ from ray.util.state import list_actors
 from app.config import EngineConfig
 from app.local_engine import LocalEngine
 from app.sampling import SamplingParams
-from tests.integration.conftest import exclusive_app
-from tests.integration.conftest import test_app_args as app_args
+from tests.integration.conftest import app_args, exclusive_app
 
 pytestmark = pytest.mark.integration
 

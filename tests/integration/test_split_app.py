@@ -12,10 +12,8 @@ import pytest
 import ray
 from ray import serve
 
-from app.config import EngineConfig
-from app.local_engine import LocalEngine
 from app.sampling import SamplingParams
-from tests.integration.conftest import APP
+from tests.integration.conftest import APP, local_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -30,18 +28,9 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def reference(smollm_model, smollm_tokenizer):
     """Greedy completions of PROMPTS from the in-process LocalEngine."""
-    engine = LocalEngine(EngineConfig(), model=smollm_model, tokenizer=smollm_tokenizer)
-
-    async def run():
-        outs = []
-        for p in PROMPTS:
-            req = engine.make_request(SamplingParams(max_tokens=24, temperature=0.0),
-                                      messages=[{"role": "user", "content": p}])
-            outs.append(await engine.generate(req))
-        await engine.close()
-        return outs
-
-    return asyncio.run(run())
+    return local_greedy(smollm_model, smollm_tokenizer, [
+        (SamplingParams(max_tokens=24, temperature=0.0),
+         {"messages": [{"role": "user", "content": p}]}) for p in PROMPTS])
 
 
 def _actor_nodes(class_suffix: str) -> list[str]:
@@ -184,7 +173,7 @@ def test_kv_object_survives_its_prefill_replica(split_app, reference):
     from ray.util.state import list_actors
 
     from app.sequence import PrefillRequest
-    from deployments.decode_server import StreamStart
+    from deployments.replica import StreamStart
 
     engine_prompt = reference[0].prompt_token_ids
     prefill = serve.get_deployment_handle("PrefillServer", APP)

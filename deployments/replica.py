@@ -1,0 +1,211 @@
+"""What the phase servers share: the batched prefill queue, the decode stream, and the
+replica's identity, health check and fault injection."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray import serve
+
+from app.chat import PromptBuilder
+from app.config import EngineConfig
+from app.errors import ReplicaUnhealthyError
+from app.kv_package import KVPackage
+from app.local_engine import EngineCore
+from app.model_loader import load_tokenizer
+from app.sequence import PrefillRequest
+from deployments.args import AppArgs
+from deployments.metrics import DecodeMetrics, PrefillMetrics
+
+
+def current_replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (the class used directly)
+        return ""
+
+
+async def inject_fault(args: AppArgs, core: EngineCore, kind: str, seconds: float,
+                       target: str | None = None) -> str:
+    """Shared by the phase servers: refuse unless fault injection is enabled in the args.
+    With ``target``, only the replica of that id acts; every call returns the id of the
+    replica that received it."""
+    if not args.enable_fault_injection:
+        raise PermissionError("fault injection is disabled (enable_fault_injection: false)")
+    if target is not None and target != current_replica_id():
+        return current_replica_id()
+    if kind == "crash":
+        os._exit(1)
+    if kind == "stall":
+        def hold() -> None:
+            with core.runner.lock:
+                time.sleep(seconds)
+
+        asyncio.get_running_loop().run_in_executor(None, hold)
+        return current_replica_id()
+    raise ValueError(f"unknown fault {kind!r}; expected 'stall' or 'crash'")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStart:
+    """First item of every decode stream: where and how the KV package arrived."""
+
+    node_id: str
+    kv_bytes: int
+    kv_hop_s: float  # prefill returned -> this replica holds the package
+    fetch_s: float  # time spent resolving the ObjectRef here
+    prefill_s: float  # compute time of the prefill batch that made the package
+    local_prefill: bool = False  # prefilled by this decode replica (no KV hop)
+    replica_id: str = ""  # the decode replica serving the stream
+
+
+def _batch_tokens(items: list[tuple[PrefillRequest, int]]) -> int:
+    return sum(weight for _, weight in items)
+
+
+class PrefillBatcher:
+    """Prompts waiting for prefill in one replica, batched with ``@serve.batch`` under the
+    token budget; counts what waits and what was computed."""
+
+    def __init__(self, core: EngineCore, wait_s: float, metrics: PrefillMetrics,
+                 on_batch: Callable[[int, int, float], None] | None = None) -> None:
+        self.prefiller = core.make_prefiller()
+        self.token_budget = core.config.prefill_token_budget
+        self._prefill_batch.set_max_batch_size(self.token_budget)
+        self._prefill_batch.set_batch_wait_timeout_s(wait_s)
+        self.metrics = metrics
+        self.on_batch = on_batch  # (requests, prompt tokens, seconds) of each computed batch
+        self.waiting_tokens = 0
+        self.waiting_requests = 0
+        self.completed = 0
+        self.requests_total = 0  # prompts computed
+        self.tokens_total = 0  # prompt tokens computed
+        self.compute_s_total = 0.0
+
+    async def prefill(self, req: PrefillRequest) -> KVPackage:
+        """Prefill one prompt (batched with others that arrive together)."""
+        self.prefiller.validate(req)
+        self._track(req.num_tokens, +1)
+        try:
+            # a prompt longer than the budget weighs the whole budget and so runs alone
+            return await self._prefill_batch((req, min(req.num_tokens, self.token_budget)))
+        finally:
+            self._track(req.num_tokens, -1)
+            self.completed += 1
+
+    def _track(self, tokens: int, sign: int) -> None:
+        self.waiting_tokens += sign * tokens
+        self.waiting_requests += sign
+        self.metrics.waiting_tokens.set(self.waiting_tokens)
+        self.metrics.waiting_requests.set(self.waiting_requests)
+
+    @serve.batch(max_batch_size=4096, batch_wait_timeout_s=0.005, batch_size_fn=_batch_tokens)
+    async def _prefill_batch(
+        self, items: list[tuple[PrefillRequest, int]]
+    ) -> list[KVPackage]:
+        requests = [req for req, _ in items]
+        start = time.perf_counter()
+        # a worker thread: the runner's lock orders it with any decode step of this process
+        packages = await asyncio.to_thread(self.prefiller.prefill, requests)
+        elapsed = time.perf_counter() - start
+        tokens = sum(r.num_tokens for r in requests)
+        self.requests_total += len(requests)
+        self.tokens_total += tokens
+        self.compute_s_total += elapsed
+        if self.on_batch is not None:
+            self.on_batch(len(requests), tokens, elapsed)
+        self.metrics.batch_size.observe(len(requests))
+        self.metrics.batch_tokens.observe(tokens)
+        self.metrics.compute_ms.observe(elapsed * 1000)
+        for pkg in packages:
+            self.metrics.kv_bytes.observe(pkg.kv_nbytes)
+        return packages
+
+
+class DecodeReplica:
+    """A replica that runs a continuous-batching decode loop and streams its sequences."""
+
+    def __init__(self, args: dict[str, Any], phase: str) -> None:
+        self.args = AppArgs.model_validate(args)
+        cfg: EngineConfig = self.args.engine_config(phase)
+        self.core = EngineCore(cfg)
+        eos = PromptBuilder(load_tokenizer(cfg)).eos_token_ids(
+            getattr(self.core.model, "generation_config", None)
+        )
+        self.loop = self.core.make_decode_loop(eos)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.replica_id = current_replica_id()
+        self.metrics = DecodeMetrics()
+        self.started = 0
+        self._stats_task: asyncio.Task | None = None
+        self.unhealthy: str | None = None  # set when the health check finds the loop wedged
+
+    async def _stream(self, package: KVPackage) -> AsyncIterator[Any]:
+        """Join ``package`` to the running batch and yield its tokens. A stream this replica
+        gave up (unhealthy) raises a retryable error instead of ending quietly."""
+        self._ensure_stats_task()
+        self.started += 1
+        events = self.loop.generate(package)
+        del package  # the decode loop holds the only reference until it copies the KV in
+        async for event in events:
+            if event.error is not None and self.unhealthy:
+                raise ReplicaUnhealthyError(f"decode replica unhealthy: {event.error}")
+            yield event
+
+    def _ensure_stats_task(self) -> None:
+        if self._stats_task is None or self._stats_task.done():
+            self._stats_task = asyncio.get_running_loop().create_task(self._report_stats())
+
+    async def _report_stats(self) -> None:
+        while True:
+            st = self.loop.decoder.stats()
+            self.metrics.active.set(self.loop.num_active)
+            self.metrics.waiting.set(self.loop.num_waiting)
+            self.metrics.kv_tokens.set(st.kv_tokens_used)
+            await asyncio.sleep(1.0)
+
+    def decode_stats(self) -> dict[str, Any]:
+        st = self.loop.decoder.stats()
+        steps = list(self.loop.step_times)
+        return {
+            "node_id": self.node_id,
+            "replica_id": self.replica_id,
+            "fingerprint": self.core.fingerprint,
+            "started": self.started,
+            "active": self.loop.num_active,
+            "running": st.running,
+            "waiting": self.loop.num_waiting,
+            "kv_tokens_used": st.kv_tokens_used,
+            "kv_tokens_budget": st.kv_tokens_budget,
+            "steps": self.loop.decoder.steps,
+            "mean_step_s": sum(steps) / len(steps) if steps else None,
+        }
+
+    def ping(self) -> str:
+        return self.node_id
+
+    def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; raising makes Serve replace the
+        replica. A decode loop wedged in one step (or dead with work left) fails it."""
+        stalled = self.loop.stalled_s()
+        if stalled > self.args.decode_stall_timeout_s:
+            message = (f"decode loop stalled for {stalled:.0f}s (limit "
+                       f"{self.args.decode_stall_timeout_s:g}s)")
+            # hand the streams back now (the ingress resumes them elsewhere) rather than
+            # holding them while Serve stops this replica
+            self.unhealthy = message
+            self.loop.fail_streams(message)
+            raise RuntimeError(message)
+
+    async def inject_fault(self, kind: str, seconds: float = 0.0,
+                           target: str | None = None) -> str:
+        """Fault tests only (``enable_fault_injection``): ``stall`` wedges the decode loop
+        for ``seconds`` by holding the model (returns this replica's id); ``crash`` kills
+        this replica's process."""
+        return await inject_fault(self.args, self.core, kind, seconds, target)
