@@ -36,6 +36,8 @@ class TokenEvent:
     index: int  # output position of this token in the whole stream (0 = the first token)
     finish_reason: str | None = None
     error: str | None = None
+    # set on a sequence's first decode-step token only: seconds it waited to join the batch
+    decode_queue_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,7 @@ class Decoder:
             row = len(self.running)
             self.runner.load_row(kv, row, package.kv_tensor(self.runner.kv_device))
             seq.row, seq.kv_len, seq.status = row, package.seq_len, SequenceStatus.RUNNING
+            seq.joined_at = time.perf_counter()
             self.running.append(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -248,6 +251,7 @@ class DecodeLoop:
             )
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[rid] = queue
+        seq.enqueued_at = time.perf_counter()
         self._pending_adds.append((seq, package))
         del package  # the decoder holds the only reference until it copies the KV in
         self._ensure_task()
@@ -311,9 +315,10 @@ class DecodeLoop:
                                              error="sequence does not fit the KV budget"))
                     continue
                 reason = seq.finish_reason.value if seq.is_finished else None  # type: ignore[union-attr]
-                self._deliver(
-                    TokenEvent(seq.request_id, seq.last_token, seq.next_step - 1, reason)
-                )
+                # the first token a decode step made (the prefill made the one before it)
+                queued = seq.decode_queue_s if seq.num_output_tokens == 2 else None
+                self._deliver(TokenEvent(seq.request_id, seq.last_token, seq.next_step - 1,
+                                         reason, decode_queue_s=queued))
             await asyncio.sleep(0)  # let consumers run between steps
 
     def _deliver(self, event: TokenEvent) -> None:

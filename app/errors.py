@@ -32,6 +32,13 @@ class ContextLengthError(InvalidRequestError):
         super().__init__(message, param=param, code="context_length_exceeded")
 
 
+class NotFoundError(EngineError):
+    """The route exists but what it serves is turned off or missing (HTTP 404)."""
+
+    error_type = "invalid_request_error"
+    status_code = 404
+
+
 class ModelNotFoundError(EngineError):
     """The request names a model this server does not serve (HTTP 404)."""
 

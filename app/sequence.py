@@ -84,6 +84,9 @@ class Sequence:
     row: int | None = None  # batch row while RUNNING
     kv_len: int = 0  # tokens whose KV sits in this sequence's row
     output_offset: int = 0  # see PrefillRequest.output_offset
+    # time.perf_counter() when the decode loop took it (queued) and when it joined the batch
+    enqueued_at: float | None = None
+    joined_at: float | None = None
 
     @property
     def next_step(self) -> int:
@@ -93,6 +96,13 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def decode_queue_s(self) -> float | None:
+        """Time between reaching the decode loop and joining its running batch."""
+        if self.enqueued_at is None or self.joined_at is None:
+            return None
+        return self.joined_at - self.enqueued_at
 
     @property
     def num_output_tokens(self) -> int:

@@ -163,6 +163,9 @@ class IngressArgs(BaseModel):
     api_key: str | None = Field(
         None, description="If set (or if the SPLITSERVE_API_KEY environment variable is set "
         "in the ingress replica), every route but /health needs 'Authorization: Bearer KEY'.")
+    trace_history: int = Field(
+        1024, ge=0, description="Finished requests whose server-side timings (queueing, "
+        "prefill, KV hop, decode) the ingress keeps for GET /debug/requests; 0 turns it off.")
 
     def ray_actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus}

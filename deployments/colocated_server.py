@@ -37,7 +37,8 @@ class ColocatedServer(DecodeReplica):
         tokens from this replica's running batch: a :class:`StreamStart`, then tokens."""
         package = await self.batcher.prefill(req)
         yield StreamStart(self.node_id, package.kv_nbytes, time.time() - package.created_at, 0.0,
-                          package.prefill_s, local_prefill=True, replica_id=self.replica_id)
+                          package.prefill_s, local_prefill=True, replica_id=self.replica_id,
+                          prefill_done_at=package.created_at)
         async for event in self._stream(package):
             yield event
 

@@ -6,6 +6,7 @@ ObjectRef, never its bytes), hands that ref to decode, and detokenizes the token
 
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` type.
 import asyncio
+import collections
 import dataclasses
 import hmac
 import json
@@ -30,6 +31,7 @@ from app.errors import (
     EngineError,
     InvalidRequestError,
     ModelNotFoundError,
+    NotFoundError,
     PayloadTooLargeError,
     QueueFullError,
     ReplicaUnhealthyError,
@@ -184,20 +186,54 @@ def _validation_error(exc: ValidationError) -> InvalidRequestError:
 
 @dataclass(slots=True)
 class RequestTrace:
-    """Server-side timings of one request (seconds), for the handle API and load tests."""
+    """Server-side timings of one request (seconds), for the handle API, ``GET
+    /debug/requests`` and load tests.
+
+    ``breakdown`` splits the request's life into phases: ``prefill_queue_s`` (ingress hand-off,
+    routing and waiting for a prefill batch), ``prefill_compute_s`` (the batch's forward pass),
+    ``kv_hop_s`` (prefill returned -> the decode replica holds the package),
+    ``first_token_s`` (the rest of the time to the first token: stream start, detokenizing,
+    the hops back to the ingress), ``decode_queue_s`` (waiting to join the decode batch,
+    which the client sees as a longer gap after the first token) and ``decode_s`` (first to
+    last token). Cross-process differences use wall clocks (``time.time()``), so on a
+    multi-node cluster they are as good as its clock sync.
+    """
 
     received: float = field(default_factory=time.perf_counter)
+    received_at: float = field(default_factory=time.time)
     stream_start: StreamStart | None = None
     first_token: float | None = None
     last_token: float | None = None
+    decode_queue_s: float | None = None
+    output_tokens: int = 0
+    attempts: int = 0  # streams started: 1, plus one per retry
     kv_locations: list[str] | None = None
     kv_object_size: int | None = None
+
+    def breakdown(self) -> dict[str, float | None] | None:
+        s = self.stream_start
+        if s is None or self.first_token is None or not s.prefill_done_at:
+            return None
+        queue = max(0.0, s.prefill_done_at - s.prefill_s - self.received_at)
+        ttft = self.first_token - self.received
+        decode = None if self.last_token is None else self.last_token - self.first_token
+        return {
+            "prefill_queue_s": queue,
+            "prefill_compute_s": s.prefill_s,
+            "kv_hop_s": s.kv_hop_s,
+            "first_token_s": max(0.0, ttft - queue - s.prefill_s - s.kv_hop_s),
+            "decode_queue_s": self.decode_queue_s,
+            "decode_s": decode,
+        }
 
     def as_dict(self) -> dict[str, Any]:
         s = self.stream_start
         out: dict[str, Any] = {
             "ttft_s": None if self.first_token is None else self.first_token - self.received,
             "e2e_s": None if self.last_token is None else self.last_token - self.received,
+            "output_tokens": self.output_tokens,
+            "attempts": self.attempts,
+            "breakdown": self.breakdown(),
         }
         if s is not None:
             out.update(decode_node=s.node_id, kv_bytes=s.kv_bytes, kv_hop_s=s.kv_hop_s,
@@ -238,6 +274,10 @@ class Ingress:
         self.api_key = self.args.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY") or None
         api.state.api_key = self.api_key
         api.state.max_body_bytes = self.args.ingress.max_body_bytes
+        history = self.args.ingress.trace_history
+        # the server-side timings of the last requests (GET /debug/requests)
+        self.recent: collections.deque[dict[str, Any]] | None = (
+            collections.deque(maxlen=history) if history else None)
 
     # ---- request preparation -------------------------------------------------------------
 
@@ -296,6 +336,7 @@ class Ingress:
                 if isinstance(item, StreamStart):
                     if trace is not None:
                         trace.stream_start = item
+                        trace.attempts += 1
                         if trace.kv_locations is None and ref is not None:
                             loc = ray.experimental.get_object_locations([ref])[ref]
                             trace.kv_locations = list(loc.get("node_ids", []))
@@ -338,6 +379,9 @@ class Ingress:
                         return
                     if event.token_id is not None:
                         delivered.append(event.token_id)
+                    if (trace is not None and event.decode_queue_s is not None
+                            and trace.decode_queue_s is None):
+                        trace.decode_queue_s = event.decode_queue_s
                     yield event
                     if event.finish_reason is not None:
                         return
@@ -387,6 +431,10 @@ class Ingress:
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
+            trace.output_tokens = n_tokens
+            if self.recent is not None:
+                self.recent.append({"id": preq.request_id, "prompt_tokens": preq.num_tokens,
+                                    **trace.as_dict()})
             if n_tokens > 1 and trace.first_token is not None and trace.last_token is not None:
                 self.metrics.tpot_ms.observe(
                     (trace.last_token - trace.first_token) / (n_tokens - 1) * 1000)
@@ -506,6 +554,15 @@ class Ingress:
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "splitserve",
             "max_model_len": self.max_model_len}]}
 
+    @api.get("/debug/requests")
+    async def http_recent_requests(self, limit: int = 100):
+        """Server-side timings of the most recent finished requests, newest last (see
+        ``RequestTrace``); 404 when ``ingress.trace_history`` is 0."""
+        if self.recent is None:
+            return error_response(NotFoundError(
+                "request history is off (ingress.trace_history: 0)", code="not_found"))
+        return {"object": "list", "data": self.recent_requests(limit)}
+
     @api.get("/health")
     async def http_health(self):
         status = await self.readiness()
@@ -546,6 +603,12 @@ class Ingress:
         req, preq = self._prepare("completion", body)
         async for c in self._chunks("completion", req, preq, self._deltas(preq)):
             yield c
+
+    def recent_requests(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The server-side timings of the last ``limit`` finished requests, newest last."""
+        if self.recent is None or limit <= 0:
+            return []
+        return list(self.recent)[-limit:]
 
     async def trace(self, body: dict[str, Any], kind: str = "chat") -> dict[str, Any]:
         """Run one request and report where its work and its KV object went (diagnostics)."""

@@ -63,6 +63,7 @@ class StreamStart:
     prefill_s: float  # compute time of the prefill batch that made the package
     local_prefill: bool = False  # prefilled by this decode replica (no KV hop)
     replica_id: str = ""  # the decode replica serving the stream
+    prefill_done_at: float = 0.0  # time.time() when the prefill returned the package
 
 
 def _batch_tokens(items: list[tuple[PrefillRequest, int]]) -> int:

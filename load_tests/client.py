@@ -85,6 +85,8 @@ async def send_streaming(client: httpx.AsyncClient, url: str, body: dict[str, An
                 if "error" in chunk:
                     rec.error = "stream error: " + _error_message(chunk)
                     return rec
+                if rec.request_id is None and isinstance(chunk.get("id"), str):
+                    rec.request_id = chunk["id"]
                 if _content(chunk, endpoint):
                     chunks += 1
                     if first is None:

@@ -38,7 +38,14 @@ import httpx
 from tqdm.auto import tqdm
 
 from load_tests.client import ENDPOINT_PATHS, is_local_url, send_streaming, served_model
-from load_tests.metrics import RequestRecord, parse_slos, summarize_by_class
+from load_tests.metrics import (
+    BREAKDOWN_PHASES,
+    RequestRecord,
+    attach_server_timings,
+    breakdown,
+    parse_slos,
+    summarize_by_class,
+)
 from load_tests.workloads import (
     LengthDist,
     PromptFactory,
@@ -277,6 +284,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     o.add_argument("--out", default=None, help="results directory (default "
                    "load_tests/results/<time>)")
     o.add_argument("--label", default=None, help="a name for this server/config in results")
+    o.add_argument("--server-timings", action="store_true",
+                   help="after each run, join the server's own timings of each request "
+                   "(GET /debug/requests: queueing, prefill, KV hop, decode) and report the "
+                   "per-class breakdown")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--seed", type=int, default=0)
@@ -351,6 +362,30 @@ def _fmt(v: float | None, digits: int = 0) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
 
+async def fetch_server_timings(base_url: str, limit: int) -> list[dict[str, Any]]:
+    """The server's timings of its last ``limit`` requests (``GET /debug/requests``)."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        resp = await client.get(base_url.rstrip("/") + "/debug/requests",
+                                params={"limit": limit})
+        resp.raise_for_status()
+        return list(resp.json().get("data") or [])
+
+
+def format_breakdown(by_class: dict[str, dict[str, Any]]) -> str:
+    """Mean (and p90) of each server-side phase per class, in ms."""
+    names = [p.removesuffix("_s") for p in BREAKDOWN_PHASES]
+    lines = [f"{'class':<12}{'n':>5}" + "".join(f"{n:>19}" for n in names)
+             + f"{'client e2e':>12}"]
+    for name, b in by_class.items():
+        cells = []
+        for phase in BREAKDOWN_PHASES:
+            d = b["phases_ms"][phase]
+            cells.append(f"{_fmt(d['mean'])} (p90 {_fmt(d['p90'])})" if d["count"] else "-")
+        lines.append(f"{name[:12]:<12}{b['requests']:>5}" + "".join(f"{c:>19}" for c in cells)
+                     + f"{_fmt(b['client_e2e_ms_mean']):>12}")
+    return "\n".join(lines)
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     head = (f"{'class':<12}{'ok':>5}{'fail':>5}{'req/s':>8}{'tok/s':>8}{'TTFT p50':>10}"
             f"{'p99':>8}{'TPOT p50':>10}{'p99':>7}{'ITL p99':>9}{'E2E p50':>9}{'goodput':>9}")
@@ -414,6 +449,13 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                              warmup=args.warmup)
         records = sorted(res.records, key=lambda r: r.sent_at)
         summary = summarize_by_class(records, res.duration_s, slos)
+        if args.server_timings:
+            traces = await fetch_server_timings(args.base_url, len(records) + args.warmup)
+            matched = attach_server_timings(records, traces)
+            names = list(summary["classes"])
+            summary["breakdown"] = {
+                n: breakdown([r for r in records if r.request_class == n]) for n in names}
+            summary["server_timings_matched"] = matched
         results["runs"].append({"rate": rate, "concurrency": args.concurrency,
                                 "summary": summary,
                                 "requests": [r.as_dict() for r in records]})
@@ -421,6 +463,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             f"concurrency {args.concurrency}" if args.concurrency else "per-class streams")
         print(f"\n== {args.label or args.base_url} · {title} · {res.duration_s:.1f} s ==")
         print(format_summary(summary), flush=True)
+        if "breakdown" in summary:
+            print(f"server-side phases, ms ({summary['server_timings_matched']} of "
+                  f"{len(records)} requests matched):")
+            print(format_breakdown(summary["breakdown"]), flush=True)
         if not args.no_plots:
             from load_tests.plots import plot_latency_cdfs
 

@@ -40,6 +40,8 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     ok: bool = False
     error: str | None = None
+    request_id: str | None = None  # the response's id, to join server-side timings
+    server: dict[str, Any] | None = None  # the server's timings of it (GET /debug/requests)
 
     @property
     def tpot_s(self) -> float | None:
@@ -54,7 +56,8 @@ class RequestRecord:
             "class": self.request_class, "sent_at": self.sent_at, "ok": self.ok,
             "error": self.error, "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens, "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
-            "e2e_s": self.e2e_s, "itl_s": self.itl_s,
+            "e2e_s": self.e2e_s, "itl_s": self.itl_s, "request_id": self.request_id,
+            "server": self.server,
         }
 
 
@@ -171,3 +174,37 @@ def summarize_by_class(records: Sequence[RequestRecord], duration_s: float,
         "classes": {n: summarize([r for r in records if r.request_class == n], duration_s, slos)
                     for n in names},
     }
+
+
+# Phases of a request as the server timed them (``RequestTrace.breakdown`` in the ingress),
+# in the order they happen.
+BREAKDOWN_PHASES = ("prefill_queue_s", "prefill_compute_s", "kv_hop_s", "first_token_s",
+                    "decode_queue_s", "decode_s")
+
+
+def attach_server_timings(records: Sequence[RequestRecord],
+                          traces: Iterable[Mapping[str, Any]]) -> int:
+    """Give each record the server's trace with its request id; returns how many matched."""
+    by_id = {t["id"]: t for t in traces if t.get("id")}
+    matched = 0
+    for rec in records:
+        trace = by_id.get(rec.request_id) if rec.request_id else None
+        if trace is not None:
+            rec.server = dict(trace)
+            matched += 1
+    return matched
+
+
+def breakdown(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Mean and percentiles (ms) of each server-side phase over the successful records that
+    carry one, and each phase's share of the mean end-to-end time the client saw."""
+    rows = [(r, r.server["breakdown"]) for r in records
+            if r.ok and r.server and r.server.get("breakdown")]
+    phases = {name: distribution([b[name] for _, b in rows if b.get(name) is not None])
+              for name in BREAKDOWN_PHASES}
+    e2e = [r.e2e_s for r, _ in rows if r.e2e_s is not None]
+    mean_e2e_ms = sum(e2e) / len(e2e) * 1000.0 if e2e else None
+    share = {name: (d["mean"] / mean_e2e_ms if mean_e2e_ms and d["mean"] is not None
+                    else None) for name, d in phases.items()}
+    return {"requests": len(rows), "phases_ms": phases, "client_e2e_ms_mean": mean_e2e_ms,
+            "share_of_e2e": share}

@@ -184,7 +184,7 @@ def test_loadgen_smoke_against_live_apps(colocated_url, split_app, tmp_path):
     code = loadgen.main([
         "--base-url", split_app.url, "--endpoint", "chat", "--label", "split",
         "--input-len", "64", "--output-len", "6", "--rates", "4,8", "--num-requests", "3",
-        "--duration", "60", "--out", str(out), "--no-progress"])
+        "--duration", "60", "--out", str(out), "--no-progress", "--server-timings"])
     assert code == 0
     res = json.loads((out / "results.json").read_text())
     assert [run["rate"] for run in res["runs"]] == [4.0, 8.0]
@@ -192,4 +192,15 @@ def test_loadgen_smoke_against_live_apps(colocated_url, split_app, tmp_path):
         assert run["summary"]["overall"]["completed"] == 3
         # chat prompts built to 64 tokens after the template, as the server counts them
         assert {(r["prompt_tokens"], r["output_tokens"]) for r in run["requests"]} == {(64, 6)}
+        # the server's own timings of each request, joined by response id
+        assert run["summary"]["server_timings_matched"] == 3
+        for r in run["requests"]:
+            b = r["server"]["breakdown"]
+            assert r["server"]["id"] == r["request_id"]
+            assert b["prefill_compute_s"] > 0 and b["kv_hop_s"] > 0 and b["decode_s"] > 0
+            assert b["decode_queue_s"] is not None and b["decode_queue_s"] >= 0
+            assert sum(b[k] for k in ("prefill_queue_s", "prefill_compute_s", "kv_hop_s",
+                                      "first_token_s")) <= r["ttft_s"] + 0.05
+        phases = run["summary"]["breakdown"]["fixed"]["phases_ms"]
+        assert phases["prefill_compute_s"]["count"] == 3
     assert (out / "goodput_vs_rate.png").exists() and (out / "latency_cdf_rate8.png").exists()

@@ -265,3 +265,26 @@ async def test_fail_streams_ends_open_streams_at_once(tiny_model):
                 break
     assert events[-1].error == "stalled" and events[-1].finish_reason == "error"
     await loop.close()
+
+
+async def test_first_decode_step_event_reports_queue_time(tiny_model):
+    """Only a sequence's first decode-step token carries its wait to join the batch; with the
+    batch full, the sequence that had to wait reports a longer wait than one that joined."""
+    core = _core(tiny_model, max_batch_size=1)
+    loop = core.make_decode_loop(frozenset())
+    packages = core.make_prefiller().prefill(
+        [PrefillRequest(f"q{i}", tuple(p), SamplingParams(max_tokens=6, temperature=0.0))
+         for i, p in enumerate(_prompts(2, seed=5))])
+
+    async def events(pkg):
+        return [ev async for ev in loop.generate(pkg)]
+
+    first, second = await asyncio.gather(events(packages[0]), events(packages[1]))
+    await loop.close()
+    for evs in (first, second):
+        queued = [ev.decode_queue_s for ev in evs]
+        assert queued[0] is None  # the prefill's token
+        assert queued[1] is not None and queued[1] >= 0
+        assert all(q is None for q in queued[2:])
+    # batch of one: the second sequence waited for the first to finish its 5 decode steps
+    assert second[1].decode_queue_s > first[1].decode_queue_s

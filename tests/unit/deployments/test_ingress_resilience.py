@@ -132,3 +132,24 @@ def test_request_timeout_ends_a_stuck_stream():
 
     elapsed = asyncio.run(run())
     assert 0.25 <= elapsed < 2.0
+
+
+def test_request_trace_breakdown_splits_the_request_life():
+    """The phases come from the stream start (prefill end on the wall clock, compute, hop)
+    and the ingress's own marks; they add up to the time to first token."""
+    from deployments.ingress import RequestTrace
+    from deployments.replica import StreamStart
+
+    t = RequestTrace(received=100.0, received_at=5000.0)
+    assert t.breakdown() is None  # nothing started yet
+    # prefill batch started at 5000.5 (queued 0.5 s), computed 1.0 s, done at 5001.5
+    t.stream_start = StreamStart("node", 10, kv_hop_s=0.05, fetch_s=0.04, prefill_s=1.0,
+                                 prefill_done_at=5001.5)
+    t.first_token, t.last_token, t.decode_queue_s = 101.6, 103.6, 0.2
+    b = t.breakdown()
+    assert b == pytest.approx({"prefill_queue_s": 0.5, "prefill_compute_s": 1.0,
+                               "kv_hop_s": 0.05, "first_token_s": 0.05,
+                               "decode_queue_s": 0.2, "decode_s": 2.0})
+    assert sum(b[k] for k in ("prefill_queue_s", "prefill_compute_s", "kv_hop_s",
+                              "first_token_s")) == pytest.approx(t.first_token - t.received)
+    assert t.as_dict()["breakdown"] == b

@@ -6,6 +6,8 @@ import pytest
 
 from load_tests.metrics import (
     RequestRecord,
+    attach_server_timings,
+    breakdown,
     distribution,
     meets_slos,
     parse_slos,
@@ -137,3 +139,31 @@ def test_summarize_by_class_splits_classes_over_the_same_duration():
 def test_summarize_needs_a_positive_duration():
     with pytest.raises(ValueError):
         summarize([rec()], 0.0)
+
+
+def _rec(rid: str | None, cls: str = "a", e2e: float = 1.0) -> RequestRecord:
+    return RequestRecord(cls, 0.0, ok=True, ttft_s=0.2, e2e_s=e2e, output_tokens=5,
+                         request_id=rid)
+
+
+def test_server_timings_join_by_id_and_break_down():
+    recs = [_rec("x"), _rec("y", e2e=3.0), _rec(None), _rec("z", cls="b")]
+    traces = [
+        {"id": "x", "breakdown": {"prefill_queue_s": 0.1, "prefill_compute_s": 0.2,
+                                  "kv_hop_s": 0.01, "first_token_s": 0.02,
+                                  "decode_queue_s": 0.0, "decode_s": 0.5}},
+        {"id": "y", "breakdown": {"prefill_queue_s": 0.3, "prefill_compute_s": 0.4,
+                                  "kv_hop_s": 0.03, "first_token_s": 0.04,
+                                  "decode_queue_s": None, "decode_s": 1.5}},
+        {"id": "other", "breakdown": None},
+    ]
+    assert attach_server_timings(recs, traces) == 2
+    assert recs[0].server["id"] == "x" and recs[2].server is None and recs[3].server is None
+    b = breakdown([r for r in recs if r.request_class == "a"])
+    assert b["requests"] == 2
+    assert b["phases_ms"]["prefill_queue_s"]["mean"] == pytest.approx(200.0)
+    assert b["phases_ms"]["decode_s"]["p50"] == pytest.approx(1000.0)
+    assert b["phases_ms"]["decode_queue_s"]["count"] == 1  # None is left out, not zero
+    assert b["client_e2e_ms_mean"] == pytest.approx(2000.0)
+    assert b["share_of_e2e"]["decode_s"] == pytest.approx(0.5)
+    assert breakdown([recs[3]])["requests"] == 0
