@@ -28,7 +28,9 @@ from app.config import EngineConfig, dtype_name
 from app.kv_package import KVLayout
 from app.model_loader import check_architecture
 
-_MIN_CAPACITY = 128
+# KV positions per row are reserved in steps of this many tokens: a power-of-two rounding
+# nearly doubled a buffer (and the stall of growing it) for a reservation just past 2^k.
+_CAPACITY_STEP = 128
 
 
 class _PrefillCollector:
@@ -122,6 +124,16 @@ def _module_device(module: torch.nn.Module, default: torch.device | None = None)
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def round_capacity(n: int) -> int:
+    """KV positions reserved per row for a need of ``n``: a multiple of 128."""
+    return max(1, -(-n // _CAPACITY_STEP)) * _CAPACITY_STEP
+
+
+def round_rows(n: int) -> int:
+    """Rows of a batch buffer for ``n`` sequences: 1, 2, 4, then multiples of 4."""
+    return _next_pow2(n) if n <= 4 else -(-n // 4) * 4
 
 
 class ModelRunner:
@@ -234,27 +246,33 @@ class ModelRunner:
     # ---- decode -------------------------------------------------------------------------
 
     def kv_tokens_for(self, rows: int, capacity: int) -> int:
-        return _next_pow2(rows) * max(_MIN_CAPACITY, _next_pow2(capacity))
+        return round_rows(rows) * round_capacity(capacity)
 
     def allocate(self, rows: int, capacity: int, old: BatchKV | None = None) -> BatchKV:
-        """A buffer with at least ``rows`` rows and ``capacity`` positions (powers of two),
-        holding the first ``old.rows`` rows of ``old`` when given."""
-        rows = _next_pow2(rows)
-        capacity = min(max(_MIN_CAPACITY, _next_pow2(capacity)), _next_pow2(self.max_model_len))
+        """A buffer with at least ``rows`` rows and ``capacity`` positions (rounded by
+        ``round_rows`` and ``round_capacity``), holding the first ``old.rows`` rows of ``old``
+        when given."""
+        rows = round_rows(rows)
+        capacity = min(round_capacity(capacity), round_capacity(self.max_model_len))
         lay = self.layout
         parts = []
         for i, span in enumerate(self.spans):
-            # zeros, not empty: masked positions are still multiplied by 0 in attention,
-            # NaN*0=NaN. The model's dtype, not the KV package's: a package is cast once when
-            # it joins (load_row), never on every step.
-            part = torch.zeros(
+            # The model's dtype, not the KV package's: a package is cast once when it joins
+            # (load_row), never on every step. What is not copied from ``old`` is zeroed, each
+            # byte written once: positions past a row's length are masked in attention but
+            # still multiplied by 0 there, and garbage could be NaN (NaN*0=NaN).
+            part = torch.empty(
                 (span.stop - span.start, 2, rows, lay.num_kv_heads, capacity, lay.head_dim),
                 dtype=self.dtype,
                 device=span.device,
             )
-            if old is not None:
+            if old is None:
+                part.zero_()
+            else:
                 r, c = min(rows, old.rows), min(capacity, old.capacity)
                 part[:, :, :r, :, :c] = old.parts[i][:, :, :r, :, :c]
+                part[:, :, :r, :, c:].zero_()
+                part[:, :, r:].zero_()
             parts.append(part)
         return BatchKV(parts)
 

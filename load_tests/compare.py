@@ -25,6 +25,7 @@ COLUMNS = (
     ("itl_ms.p99", "ITL p99", "{:,.0f}"),
     ("e2e_ms.p50", "E2E p50", "{:,.0f}"),
     ("goodput", "goodput req/s", "{:.3f}"),
+    ("good_fraction", "good", "{:.0%}"),
 )
 
 

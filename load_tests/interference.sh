@@ -26,41 +26,13 @@ OUT=${OUT:-load_tests/results/interference-$(date +%Y%m%d-%H%M%S)}
 URL=http://127.0.0.1:8000
 mkdir -p "$OUT"
 
-if "$BIN/ray" status >/dev/null 2>&1; then
-  echo "a Ray cluster is already running here; stop it first (ray stop)" >&2
-  exit 1
-fi
-
-# `serve shutdown` needs the dashboard, which this head does not run: shut Serve down from
-# a driver instead.
-serve_shutdown() {
-  "$PY" -c "import ray; from ray import serve; ray.init(address='auto', \
-logging_level='ERROR'); serve.shutdown()" >/dev/null 2>&1 || true
-}
-cleanup() {
-  serve_shutdown
-  "$BIN/ray" stop >/dev/null 2>&1 || true
-}
-trap cleanup EXIT
-
-"$BIN/ray" start --head --resources='{"prefill_accel": 2, "decode_accel": 2}' --num-cpus 4 \
-  --include-dashboard=false --disable-usage-stats >"$OUT/ray-start.log" 2>&1
-
-wait_ready() {
-  for _ in $(seq 600); do
-    if curl -sf "$URL/health" >/dev/null 2>&1; then return 0; fi
-    sleep 1
-  done
-  echo "app not ready" >&2
-  return 1
-}
+source load_tests/serve_local.sh
+start_head
 
 DECODE="name=decode,input=64,output=256,concurrency=$STREAMS"
 for cfg in $CONFIGS; do
   echo "== $cfg"
-  PYTHONPATH=$PWD "$BIN/serve" run --non-blocking "serve_configs/$cfg.yaml" \
-    >"$OUT/$cfg-serve.log" 2>&1
-  wait_ready
+  serve_config "$cfg"
   # undisturbed: two rounds of the decode streams, nothing else
   "$PY" -m load_tests.loadgen --base-url "$URL" --endpoint completions --label "$cfg" \
     --class "$DECODE,n=$((2 * STREAMS))" --warmup 1 --duration 300 --no-progress \

@@ -61,7 +61,7 @@ def _devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
 def _limits(args: argparse.Namespace) -> EngineLimits:
     return EngineLimits(max_batch_size=args.max_batch_size, token_budget=args.token_budget,
                         prefill_max_rows=args.prefill_max_rows,
-                        pow2_kv=args.kv_layout == "pow2")
+                        padded_kv=args.kv_layout == "padded")
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -88,9 +88,9 @@ def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
     p.add_argument("--max-batch-size", type=int, default=256 if gpu_defaults else 16)
     p.add_argument("--token-budget", type=int, default=8192 if gpu_defaults else 4096)
     p.add_argument("--prefill-max-rows", type=int, default=64 if gpu_defaults else 8)
-    p.add_argument("--kv-layout", choices=("pow2", "paged"),
-                   default="paged" if gpu_defaults else "pow2",
-                   help="pow2: this app's contiguous buffer; paged: vLLM-style blocks")
+    p.add_argument("--kv-layout", choices=("padded", "paged"),
+                   default="paged" if gpu_defaults else "padded",
+                   help="padded: this app's contiguous buffer; paged: vLLM-style blocks")
 
 
 def main(argv: list[str] | None = None) -> int:

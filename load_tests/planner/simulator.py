@@ -12,7 +12,7 @@ The simulated engine follows the app's code path by path:
   moment it holds the package (TTFT).
 * **Decode replica** (``Decoder``): continuous batching; before each step it admits waiting
   sequences in order while the batch has a free row and the KV budget holds (the engine's
-  buffer is ``next_pow2(rows) x next_pow2(capacity)`` tokens, capacity the longest prompt +
+  buffer is ``round_rows(rows) x round_capacity(capacity)`` tokens, capacity the longest prompt +
   max_tokens; a paged engine holds exactly the tokens used). A step costs ``decode_s(batch,
   longest context)`` and gives every running sequence one token.
 * **Colocated replica** (``ColocatedServer``): one device does both; a waiting prefill batch
@@ -113,7 +113,7 @@ class EngineLimits:
     token_budget: int = 4096
     prefill_max_rows: int = 8
     batch_wait_s: float = 0.005
-    pow2_kv: bool = True  # this app's contiguous buffer; False: a paged engine
+    padded_kv: bool = True  # this app's contiguous buffer; False: a paged engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,8 +195,11 @@ class _Req:
         return self.arrival.input_len + self.arrival.output_len
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def _padded_kv_tokens(rows: int, capacity: int) -> int:
+    """KV tokens the app's contiguous batch buffer reserves (``ModelRunner.kv_tokens_for``):
+    rows 1, 2, 4 then multiples of 4, positions in multiples of 128."""
+    rows = 1 << max(0, (rows - 1).bit_length()) if rows <= 4 else -(-rows // 4) * 4
+    return rows * max(1, -(-capacity // 128)) * 128
 
 
 @dataclass(slots=True)
@@ -252,9 +255,8 @@ class _Decoder:
         return len(self.waiting) + len(self.running)
 
     def _fits(self, rows: int, capacity: int, used: int) -> bool:
-        if self.limits.pow2_kv:
-            tokens = _next_pow2(rows) * max(128, _next_pow2(capacity))
-            return tokens <= self.device.kv_budget_tokens
+        if self.limits.padded_kv:
+            return _padded_kv_tokens(rows, capacity) <= self.device.kv_budget_tokens
         return used <= self.device.kv_budget_tokens
 
     def admit(self) -> None:
@@ -270,7 +272,7 @@ class _Decoder:
     def attended(self) -> int:
         """Context positions the step attends: rows x longest in this app's padded buffer,
         the sum of the contexts in a paged engine."""
-        if self.limits.pow2_kv:
+        if self.limits.padded_kv:
             return len(self.running) * (max(s.kv_len for s in self.running) + 1)
         return sum(s.kv_len + 1 for s in self.running)
 

@@ -26,32 +26,15 @@ OUT=${OUT:-load_tests/results/planner-validation/$CFG}
 URL=http://127.0.0.1:8000
 mkdir -p "$OUT"
 
-if "$BIN/ray" status >/dev/null 2>&1; then
-  echo "a Ray cluster is already running here; stop it first (ray stop)" >&2
-  exit 1
-fi
-serve_shutdown() {
-  "$PY" -c "import ray; from ray import serve; ray.init(address='auto', \
-logging_level='ERROR'); serve.shutdown()" >/dev/null 2>&1 || true
-}
-cleanup() {
-  serve_shutdown
-  "$BIN/ray" stop >/dev/null 2>&1 || true
-}
-trap cleanup EXIT
+source load_tests/serve_local.sh
 
 if [ "${PROFILE:-1}" = 1 ]; then
   threads=1; [ "$CFG" = local-colocated ] && threads=2
   "$PY" -m load_tests.planner profile --no-hop --quick --threads "$threads" \
     --out "$OUT/engine-profile.json" >"$OUT/engine-profile.log" 2>&1
 fi
-"$BIN/ray" start --head --resources='{"prefill_accel": 2, "decode_accel": 2}' --num-cpus 4 \
-  --include-dashboard=false --disable-usage-stats >"$OUT/ray-start.log" 2>&1
-PYTHONPATH=$PWD "$BIN/serve" run --non-blocking "serve_configs/$CFG.yaml" >"$OUT/serve.log" 2>&1
-for _ in $(seq 600); do
-  if curl -sf "$URL/health" >/dev/null 2>&1; then break; fi
-  sleep 1
-done
+start_head
+serve_config "$CFG"
 "$PY" -m load_tests.loadgen --base-url "$URL" --endpoint completions --label "$CFG" \
   --input-len "$INPUT" --output-len "$OUTPUT" --rates "$RATES" --num-requests "$N" \
   --warmup 2 --duration 200 --drain-timeout 120 --slo ttft:2000 tpot:150 --no-progress \

@@ -116,3 +116,23 @@ async def test_bfloat16_weights_and_kv_match_generate_in_bfloat16():
     greedy = SamplingParams(max_tokens=2, temperature=0.0)
     [pkg] = core.make_prefiller().prefill([PrefillRequest("k", tuple(prompts[0]), greedy)])
     assert pkg.layout.kv_dtype == "bfloat16" and pkg.kv.dtype.itemsize == 2
+
+
+def test_batch_buffer_rounding_and_growth_zeroes_what_it_does_not_copy(tiny_model):
+    """Rows round to 1, 2, 4, then multiples of 4; positions to multiples of 128 (a
+    reservation just past a power of two no longer doubles the buffer). A grown buffer holds
+    the old rows' KV and zeros everywhere else (it is allocated uninitialized)."""
+    from app.model_runner import round_capacity, round_rows
+
+    assert [round_rows(n) for n in (1, 2, 3, 4, 5, 8, 9, 13)] == [1, 2, 4, 4, 8, 8, 12, 16]
+    assert [round_capacity(n) for n in (1, 128, 129, 1040)] == [128, 128, 256, 1152]
+    runner = EngineCore(EngineConfig(), model=tiny_model).runner
+    assert runner.kv_tokens_for(5, 1040) == 8 * 1152
+    kv = runner.allocate(2, 100)
+    assert (kv.rows, kv.capacity) == (2, 128)
+    kv.parts[0].fill_(7.0)
+    grown = runner.allocate(5, 300, old=kv)
+    assert (grown.rows, grown.capacity) == (8, 384)
+    part = grown.parts[0]
+    assert bool((part[:, :, :2, :, :128] == 7.0).all())
+    assert not bool(part[:, :, :2, :, 128:].any()) and not bool(part[:, :, 2:].any())

@@ -34,7 +34,7 @@ from load_tests.planner.validate import compare_run
 from load_tests.workloads import LengthDist
 
 NO_WAIT = EngineLimits(max_batch_size=16, token_budget=4096, prefill_max_rows=8,
-                       batch_wait_s=0.0, pow2_kv=False)
+                       batch_wait_s=0.0, padded_kv=False)
 
 
 def device(name="dev", *, prefill_per_token=0.001, prefill_base=0.01, step=0.02,
@@ -159,7 +159,7 @@ def test_device_from_measurement_fits_passes_and_hop():
 
 def test_single_request_split_equals_the_service_times():
     dev = device(hop_latency=0.004, hop_gbs=1.0, overhead=0.003)
-    lim = EngineLimits(batch_wait_s=0.005, pow2_kv=False)
+    lim = EngineLimits(batch_wait_s=0.005, padded_kv=False)
     r = simulate(SplitSystem(dev, dev, 1, 1, lim), [Arrival(0.0, 500, 11)]).records[0]
     prefill = 0.01 + 0.001 * 500
     hop = 0.004 + 500 * 1000 / 1e9
@@ -183,7 +183,7 @@ def test_one_output_token_finishes_at_the_first_token():
 
 def test_queueing_grows_as_load_nears_capacity():
     dev = device(prefill_base=0.0, prefill_per_token=0.001)  # 0.5 s per 500-token prompt
-    lim = EngineLimits(token_budget=500, prefill_max_rows=1, batch_wait_s=0.0, pow2_kv=False)
+    lim = EngineLimits(token_budget=500, prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
     ttft = {}
     for rate in (0.2, 1.0, 1.7):  # capacity 2 req/s
         w = Workload(rate, LengthDist.fixed(500), LengthDist.fixed(4), 400, seed=1)
@@ -206,11 +206,11 @@ def test_prefill_batches_share_one_pass_and_add_replicas_parallelize():
     assert [r.ttft_s for r in one] == pytest.approx([0.1] * 4)
     # one row per pass: the four passes run in turn, but @serve.batch returns the batch's
     # packages together when its last pass ends
-    lim = EngineLimits(prefill_max_rows=1, batch_wait_s=0.0, pow2_kv=False)
+    lim = EngineLimits(prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
     together = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
     assert [r.ttft_s for r in together] == pytest.approx([0.4] * 4)
     # a token budget of one prompt: each Serve batch is one request, returned on its own
-    lim = EngineLimits(token_budget=100, prefill_max_rows=1, batch_wait_s=0.0, pow2_kv=False)
+    lim = EngineLimits(token_budget=100, prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
     serial = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
     assert sorted(r.ttft_s for r in serial) == pytest.approx([0.1, 0.2, 0.3, 0.4])
     two = simulate(SplitSystem(dev, dev, 2, 1, lim), arrivals).records
@@ -219,7 +219,7 @@ def test_prefill_batches_share_one_pass_and_add_replicas_parallelize():
 
 def test_decode_batch_limit_queues_sequences():
     dev = device(prefill_base=0.0, prefill_per_token=0.0)
-    lim = EngineLimits(max_batch_size=1, batch_wait_s=0.0, pow2_kv=False)
+    lim = EngineLimits(max_batch_size=1, batch_wait_s=0.0, padded_kv=False)
     recs = simulate(SplitSystem(dev, dev, 1, 1, lim),
                     [Arrival(0.0, 10, 3), Arrival(0.0, 10, 3)]).records
     # the second waits for the first's two steps before its own two
@@ -252,7 +252,7 @@ def test_chunked_colocated_bounds_the_stall():
 
 def test_goodput_counts_only_requests_meeting_every_slo():
     dev = device(prefill_base=0.0, prefill_per_token=0.001)
-    lim = EngineLimits(token_budget=400, prefill_max_rows=1, batch_wait_s=0.0, pow2_kv=False)
+    lim = EngineLimits(token_budget=400, prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
     res = simulate(SplitSystem(dev, dev, 1, 1, lim), [Arrival(0.0, 400, 2),
                                                       Arrival(0.0, 400, 2)])
     s = res.summary({"ttft": 600})  # first 0.4 s, second 0.8 s
@@ -317,7 +317,7 @@ def test_search_picks_the_obviously_better_hardware():
 
 def test_max_goodput_rate_finds_capacity():
     dev = device(prefill_base=0.0, prefill_per_token=0.001)  # 0.1 s per prompt
-    lim = EngineLimits(token_budget=100, prefill_max_rows=1, batch_wait_s=0.0, pow2_kv=False)
+    lim = EngineLimits(token_budget=100, prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
     w = Workload(1.0, LengthDist.fixed(100), LengthDist.fixed(2), 300, seed=4)
     rate, s = planner_search.max_goodput_rate(SplitSystem(dev, dev, 1, 1, lim), w,
                                               {"ttft": 500}, min_span_s=20.0)
@@ -339,7 +339,7 @@ def test_padded_batch_attends_rows_times_longest_paged_attends_each_context():
                         PassCost(0.0, Linear(0.0, 0.0, 1e-4)), 0, 1 << 20)
     arrivals = [Arrival(0.0, 100, 2), Arrival(0.0, 1000, 2)]
     for pow2, expected in ((True, 2 * 1001 * 1e-4), (False, (101 + 1001) * 1e-4)):
-        lim = EngineLimits(batch_wait_s=0.0, pow2_kv=pow2)
+        lim = EngineLimits(batch_wait_s=0.0, padded_kv=pow2)
         recs = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
         assert [r.e2e_s - r.ttft_s for r in recs] == pytest.approx([expected] * 2)
 

@@ -1,0 +1,41 @@
+# Sourced by the load-test scripts: a local Ray head offering both phase tags, one Serve
+# config at a time on it, and cleanup on exit. Needs PY, BIN, URL and OUT set by the caller.
+# Starts its own Ray head, so no other Ray may run here; stops everything on exit.
+
+if "$BIN/ray" status >/dev/null 2>&1; then
+  echo "a Ray cluster is already running here; stop it first (ray stop)" >&2
+  exit 1
+fi
+
+# `serve shutdown` needs the dashboard, which this head does not run: shut Serve down from
+# a driver instead.
+serve_shutdown() {
+  "$PY" -c "import ray; from ray import serve; ray.init(address='auto', \
+logging_level='ERROR'); serve.shutdown()" >/dev/null 2>&1 || true
+}
+cleanup() {
+  serve_shutdown
+  "$BIN/ray" stop >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+
+start_head() {
+  "$BIN/ray" start --head --resources='{"prefill_accel": 2, "decode_accel": 2}' --num-cpus 4 \
+    --include-dashboard=false --disable-usage-stats >"$OUT/ray-start.log" 2>&1
+}
+
+wait_ready() {
+  for _ in $(seq 600); do
+    if curl -sf "$URL/health" >/dev/null 2>&1; then return 0; fi
+    sleep 1
+  done
+  echo "app not ready" >&2
+  return 1
+}
+
+# serve_config NAME: deploy serve_configs/NAME.yaml and wait for /health
+serve_config() {
+  PYTHONPATH=$PWD "$BIN/serve" run --non-blocking "serve_configs/$1.yaml" \
+    >"$OUT/$1-serve.log" 2>&1
+  wait_ready
+}
