@@ -104,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--no-hop", action="store_true", help="skip the Ray KV-hop measurement")
     pp.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
 
+    pk = sub.add_parser("stack", help="time the serving stack around the engine on a live "
+                        "app (decode TPOT vs streams, lone-request TTFT) and write a JSON")
+    pk.add_argument("--url", default="http://127.0.0.1:8000", help="the app (loopback only)")
+    pk.add_argument("--out", required=True)
+
     ps = sub.add_parser("simulate", help="simulate one system on a workload or trace")
     _common(ps, gpu_defaults=False)
     ps.add_argument("--system", choices=("split", "colocated"), default="split")
@@ -130,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     pv.add_argument("--slowdown", type=float, default=1.0,
                     help="multiply every engine pass by this (the share of the cores the "
                     "serving stack takes; e.g. calibrated on the lowest-rate run)")
+    pv.add_argument("--stack-split", default=None,
+                    help="stack JSON measured on the split app: its per-step streaming cost "
+                    "and per-request overhead are added to cpu-1t")
+    pv.add_argument("--stack-colocated", default=None,
+                    help="stack JSON measured on the colocated app, added to cpu-2t")
     pv.add_argument("--json", default=None, help="also write the comparison here")
 
     pz = sub.add_parser("search", help="best split vs colocated fleet per dollar")
@@ -152,8 +162,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(prof["devices"], indent=1))
         print(f"profile: {args.out}")
         return 0
+    if args.cmd == "stack":
+        from load_tests.client import is_local_url
+        from load_tests.planner.profile import measure_stack
+
+        if not is_local_url(args.url):
+            ap.error(f"{args.url} is not a loopback address")
+        stack = measure_stack(args.url)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(stack, indent=1))
+        print(json.dumps(stack, indent=1))
+        return 0
     if args.cmd == "validate":
-        from load_tests.planner.profile import load_devices
+        from load_tests.planner.profile import load_devices, stack_device
 
         results = {k: v for k, v in (("split", args.split), ("colocated", args.colocated)) if v}
         if not results:
@@ -166,6 +187,15 @@ def main(argv: list[str] | None = None) -> int:
                     devices[name] = dataclasses.replace(devices[name], prefill=dev.prefill,
                                                         decode=dev.decode)
         devices = {n: d.slowed(args.slowdown) for n, d in devices.items()}
+        for name, path, hop in (("cpu-1t", args.stack_split, True),
+                                ("cpu-2t", args.stack_colocated, False)):
+            if path:
+                devices[name] = stack_device(devices[name], json.loads(Path(path).read_text()),
+                                             hop=hop)
+                print(f"{name} with the serving stack of {path}: decode step + "
+                      f"{devices[name].decode_stack.c0 * 1000:.1f} ms + "
+                      f"{devices[name].decode_stack.c1 * 1000:.1f} ms x batch; "
+                      f"{devices[name].request_overhead_s * 1000:.0f} ms per request")
         comps = validate.validate(devices, results, slos)
         print(validate.table(comps))
         if args.json:

@@ -218,6 +218,10 @@ class DeviceProfile:
     hop_latency_s: float = 0.0  # fixed cost of one KV hop (calls, metadata)
     hop_gbs: float = 10.0  # KV hop bandwidth, GB/s
     request_overhead_s: float = 0.0  # fixed per-request cost outside the engine (HTTP, routing)
+    # What streaming costs a decode step in the serving stack, beyond the engine's pass:
+    # ``c0 + c1 x batch`` seconds (Ray streaming items, detokenizing, SSE, the cores they
+    # take from the engine). Zero for a bare engine profile; ``profile --stack-url`` fits it.
+    decode_stack: Linear = field(default_factory=Linear)
     price_per_hour: float = 1.0
     power_prefill_w: float = 0.0  # busy in a prefill pass
     power_decode_w: float = 0.0  # busy in a decode step
@@ -229,11 +233,11 @@ class DeviceProfile:
 
     def decode_s(self, batch: int, span: int) -> float:
         """A step that attends every row over ``span`` positions (this app's padded batch)."""
-        return self.decode(batch, batch * span)
+        return self.decode(batch, batch * span) + self.decode_stack(batch, 0.0)
 
     def decode_ctx_s(self, batch: int, context_tokens: int) -> float:
         """A step that attends each row over its own context only (a paged engine)."""
-        return self.decode(batch, context_tokens)
+        return self.decode(batch, context_tokens) + self.decode_stack(batch, 0.0)
 
     def hop_s(self, nbytes: int) -> float:
         return self.hop_latency_s + nbytes / (self.hop_gbs * 1e9)
@@ -247,6 +251,8 @@ class DeviceProfile:
         for key in ("prefill", "decode"):
             p = dict(d[key])
             d[key] = PassCost(p["overhead_s"], Linear(**p["compute"]), Linear(**p["memory"]))
+        if "decode_stack" in d:
+            d["decode_stack"] = Linear(**d["decode_stack"])
         return cls(**d)
 
     def slowed(self, factor: float) -> DeviceProfile:

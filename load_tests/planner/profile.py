@@ -15,6 +15,7 @@ Starting Ray needs the machine lock::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import statistics
@@ -175,6 +176,75 @@ def fit_hop(points: list[dict[str, Any]], where: str) -> tuple[float, float]:
     fit = fit_linear([p["bytes"] for p in pts], [0.0] * len(pts), [p["seconds"] for p in pts])
     gbs = 1e-9 / fit.c1 if fit.c1 > 0 else 1e3
     return max(fit.c0, 0.0), gbs
+
+
+STACK_CONCURRENCY = (1, 2, 4, 8)
+STACK_PROMPTS = (64, 256)
+
+
+def measure_stack(base_url: str, *, concurrency: Sequence[int] = STACK_CONCURRENCY,
+                  prompt_lens: Sequence[int] = STACK_PROMPTS, input_len: int = 64,
+                  output_len: int = 48, rounds: int = 2) -> dict[str, Any]:
+    """Time the serving stack around the engine: a live app (split or colocated) at
+    ``base_url``, driven over HTTP by the load generator.
+
+    * decode: ``b`` closed-loop streams (``input_len`` prompts, ``output_len`` tokens each,
+      ``rounds`` requests per stream) for each ``b`` in ``concurrency``: TPOT p50;
+    * requests: one request at a time of each prompt length, two output tokens: TTFT p50.
+    ``stack_device`` subtracts the engine's own pass times from these.
+    """
+    import asyncio
+
+    from app.config import DEFAULT_MODEL, EngineConfig
+    from app.model_loader import load_tokenizer
+    from load_tests.loadgen import LoadPlan, Stream, run_load
+    from load_tests.metrics import summarize
+    from load_tests.workloads import PromptFactory, RequestClass
+
+    factory = PromptFactory(load_tokenizer(EngineConfig(model=DEFAULT_MODEL)))
+
+    def run(cls_spec: str, clients: int, n: int) -> dict[str, Any]:
+        cls = RequestClass.parse(cls_spec)
+        plan = LoadPlan(base_url, "completions", [Stream("s", [cls], n, concurrency=clients)],
+                        duration_s=600.0)
+        res = asyncio.run(run_load(plan, lambda c, rng: factory.make(c, "completions", rng),
+                                   progress=False, warmup=1))
+        summary = summarize(res.records, res.duration_s)
+        if summary["failed"]:
+            raise RuntimeError(f"stack profile: requests failed: {summary['errors']}")
+        return summary
+
+    decode = []
+    for b in concurrency:
+        s = run(f"name=d,input={input_len},output={output_len}", b, rounds * b)
+        decode.append({"batch": b, "span": input_len + output_len // 2,
+                       "tpot_s": s["tpot_ms"]["p50"] / 1000.0})
+    requests = []
+    for n in prompt_lens:
+        s = run(f"name=p,input={n},output=2", 1, 3)
+        requests.append({"prompt_tokens": n, "ttft_s": s["ttft_ms"]["p50"] / 1000.0})
+    return {"base_url": base_url, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "decode": decode, "requests": requests}
+
+
+def stack_device(device: DeviceProfile, stack: dict[str, Any], *,
+                 hop: bool = True) -> DeviceProfile:
+    """``device`` with the serving stack's costs fitted from ``measure_stack``: per-step
+    ``decode_stack`` (measured TPOT less the engine's step at that batch and span, fitted as
+    ``c0 + c1 x batch``) and ``request_overhead_s`` (measured TTFT of a lone request less
+    its prefill pass and, with ``hop``, its KV hop)."""
+    dc = stack["decode"]
+    extra = [p["tpot_s"] - device.decode_s(p["batch"], p["span"]) for p in dc]
+    fit = fit_linear([p["batch"] for p in dc], [0.0] * len(dc), extra)
+    overheads = []
+    for p in stack["requests"]:
+        n = p["prompt_tokens"]
+        engine = device.prefill_s(1, n) + (device.hop_s(n * device.kv_bytes_per_token)
+                                           if hop else 0.0)
+        overheads.append(p["ttft_s"] - engine)
+    return dataclasses.replace(
+        device, decode_stack=Linear(max(0.0, fit.c0), fit.c1, 0.0),
+        request_overhead_s=max(0.0, statistics.median(overheads)))
 
 
 def device_from_measurement(engine: dict[str, Any], hop: dict[str, Any] | None, *,

@@ -10,7 +10,9 @@
 # arrivals through the simulator. Knobs (environment): INPUT (prompt tokens, 256), OUTPUT
 # (output tokens, 32), RATES ("0.3,0.6,0.9"), N (requests per rate, 30), OUT, PROFILE (1:
 # first profile the engine passes under the same lock, so the simulator sees the machine as the
-# runs do: $OUT/engine-profile.json, for validate --engine-profile).
+# runs do: $OUT/engine-profile.json, for validate --engine-profile). Before the runs, the
+# serving stack is timed on the live app ($OUT/stack.json, for validate --stack-split or
+# --stack-colocated).
 # Starts its own Ray head, so no other Ray may run here; stops everything on exit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,6 +37,8 @@ if [ "${PROFILE:-1}" = 1 ]; then
 fi
 start_head
 serve_config "$CFG"
+# the serving stack around the engine, on this app: decode TPOT vs streams, lone-request TTFT
+"$PY" -m load_tests.planner stack --url "$URL" --out "$OUT/stack.json" >"$OUT/stack.log" 2>&1
 "$PY" -m load_tests.loadgen --base-url "$URL" --endpoint completions --label "$CFG" \
   --input-len "$INPUT" --output-len "$OUTPUT" --rates "$RATES" --num-requests "$N" \
   --warmup 2 --duration 200 --drain-timeout 120 --slo ttft:2000 tpot:150 --no-progress \

@@ -20,7 +20,12 @@ from load_tests.planner.hardware import (
     PassCost,
     roofline_profile,
 )
-from load_tests.planner.profile import device_from_measurement, fit_hop, fit_linear
+from load_tests.planner.profile import (
+    device_from_measurement,
+    fit_hop,
+    fit_linear,
+    stack_device,
+)
 from load_tests.planner.simulator import (
     Arrival,
     ColocatedSystem,
@@ -357,3 +362,28 @@ def test_cli_takes_a_transformers_config_file(tmp_path, capsys):
     from_file = capsys.readouterr().out
     assert planner_main([*args, "--model", "llama-3.1-8b"]) == 0
     assert capsys.readouterr().out == from_file
+
+
+def test_stack_fit_adds_per_step_streaming_cost_and_request_overhead():
+    """A stack measurement whose TPOT is the engine step plus 5 ms + 3 ms per stream, and
+    whose lone-request TTFT is prefill + hop + 40 ms, fits back to exactly those costs; the
+    simulator then charges them (a lone request's TPOT is step + 8 ms)."""
+    dev = DeviceProfile("cpu-1t", PassCost(0.0, Linear(0.01, 0.001, 0.0)),
+                        PassCost(0.0, Linear(0.02, 0.004, 1e-6)), 1000, 1 << 20,
+                        hop_latency_s=0.002, hop_gbs=1.0)
+    stack = {
+        "decode": [{"batch": b, "span": 88, "tpot_s": dev.decode_s(b, 88) + 0.005 + 0.003 * b}
+                   for b in (1, 2, 4, 8)],
+        "requests": [{"prompt_tokens": n, "ttft_s": dev.prefill_s(1, n)
+                      + dev.hop_s(n * 1000) + 0.04} for n in (64, 256)],
+    }
+    fitted = stack_device(dev, stack)
+    assert fitted.decode_stack.c0 == pytest.approx(0.005)
+    assert fitted.decode_stack.c1 == pytest.approx(0.003)
+    assert fitted.request_overhead_s == pytest.approx(0.04)
+    assert fitted.decode_s(4, 100) == pytest.approx(dev.decode_s(4, 100) + 0.017)
+    assert DeviceProfile.from_dict(json.loads(json.dumps(fitted.to_dict()))) == fitted
+    [rec] = simulate(SplitSystem(fitted, fitted, 1, 1, NO_WAIT),
+                     [Arrival(0.0, 64, 5)]).records
+    assert rec.tpot_s == pytest.approx(fitted.decode_s(1, 70), rel=0.05)
+    assert rec.tpot_s > dev.decode_s(1, 70) + 0.007
