@@ -23,6 +23,10 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 from app.config import EngineConfig, dtype_name
 from app.kv_package import KVLayout
@@ -31,6 +35,74 @@ from app.model_loader import check_architecture
 # KV positions per row are reserved in steps of this many tokens: a power-of-two rounding
 # nearly doubled a buffer (and the stall of growing it) for a reservation just past 2^k.
 _CAPACITY_STEP = 128
+
+
+# What one extra attention call for a single row costs, in attended positions of the batch:
+# about a millisecond per step over 30 layers on a CPU core, the time to read ~500 positions.
+_ROW_CALL_POSITIONS = 512
+# Split a decode step's attention only when it reads at most this share of the padded batch.
+_RAGGED_MAX_SHARE = 0.75
+RAGGED_ATTENTION = "splitserve_ragged"
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedDecode:
+    """How a decode step attends rows of very different lengths without reading every row to
+    the longest: all rows attend their first ``span`` positions in one call (shorter rows
+    masked to their length), then each of ``long_rows`` (row, length), the rows longer than
+    ``span``, is attended alone over its whole length and replaces its row of the result."""
+
+    span: int
+    long_rows: tuple[tuple[int, int], ...]
+
+
+def plan_ragged(lengths: list[int]) -> RaggedDecode | None:
+    """The cheapest split of a step's attention (positions read, plus a fixed cost per row
+    attended alone), or None when one padded call over the longest row is about as cheap."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows = len(lengths)
+    padded = rows * lengths[order[0]]
+    best_cost, best_k, alone = padded, 0, 0
+    for k in range(1, rows):
+        alone += lengths[order[k - 1]] + _ROW_CALL_POSITIONS
+        cost = rows * lengths[order[k]] + alone
+        if cost < best_cost:
+            best_cost, best_k = cost, k
+    if best_k == 0 or best_cost > _RAGGED_MAX_SHARE * padded:
+        return None
+    return RaggedDecode(lengths[order[best_k]],
+                        tuple((i, lengths[i]) for i in order[:best_k]))
+
+
+def ragged_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
+                     ragged_decode: RaggedDecode | None = None, **kwargs):
+    """The model's SDPA attention, except in a decode step given a :class:`RaggedDecode`.
+
+    Registered with transformers as ``splitserve_ragged``; the runner selects it for models
+    that use SDPA, so every pass but a planned decode step runs SDPA unchanged.
+    """
+    if ragged_decode is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    # query: [B, heads, 1, hd]; key, value: [B, kv_heads, longest, hd] (batch-buffer views);
+    # attention_mask: [B, 1, 1, span] or None. Query heads sharing a KV head become that
+    # head's "positions" ([B, kv_heads, group, hd]) so no KV is repeated.
+    bsz, heads, q_len, head_dim = query.shape
+    assert q_len == 1, "a ragged plan is for decode steps only"
+    kv_heads = key.shape[1]
+    q = query.reshape(bsz, kv_heads, heads // kv_heads, head_dim)
+    span = ragged_decode.span
+    out = F.scaled_dot_product_attention(q, key[:, :, :span], value[:, :, :span],
+                                         attn_mask=attention_mask, scale=scaling)
+    for row, n in ragged_decode.long_rows:
+        out[row : row + 1] = F.scaled_dot_product_attention(
+            q[row : row + 1], key[row : row + 1, :, :n], value[row : row + 1, :, :n],
+            scale=scaling)
+    return out.reshape(bsz, heads, 1, head_dim).transpose(1, 2), None
+
+
+AttentionInterface.register(RAGGED_ATTENTION, ragged_attention)
+AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
 
 
 class _PrefillCollector:
@@ -176,8 +248,15 @@ class ModelRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # One forward pass at a time: prefill and decode share the cores of this process.
         self.lock = threading.Lock()
+        # Decode steps with rows of very different lengths attend each row to its own length
+        # (RaggedDecode); any other pass is the model's SDPA. Models on another attention
+        # implementation keep it, with padded decode steps.
+        if getattr(cfg, "_attn_implementation", None) in ("sdpa", RAGGED_ATTENTION):
+            model.set_attn_implementation(RAGGED_ATTENTION)
+        self.ragged = getattr(cfg, "_attn_implementation", None) == RAGGED_ATTENTION
 
-    def _layers_forward(self, hidden, position_ids, mask, cache) -> torch.Tensor:
+    def _layers_forward(self, hidden, position_ids, mask, cache,
+                        **attention_kwargs) -> torch.Tensor:
         if self.multi_device:
             cos_sin = self.rotary_emb(hidden.to(self._rotary_device),
                                       position_ids.to(self._rotary_device))
@@ -196,6 +275,7 @@ class ModelRunner:
                 position_ids=position_ids,
                 position_embeddings=cos_sin,
                 **{self._cache_kw: cache},
+                **attention_kwargs,
             )
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
@@ -299,13 +379,16 @@ class ModelRunner:
         assert span <= kv.capacity, f"position {span - 1} outside KV capacity {kv.capacity}"
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device).unsqueeze(1)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        plan = plan_ragged([p + 1 for p in positions]) if self.ragged else None
+        attended = plan.span if plan is not None else span
         mask = None
-        if min(positions) != span - 1:
-            # rows shorter than the longest must not see positions past their own length
-            key_pos = torch.arange(span, device=self.device)
+        if min(positions) < attended - 1:
+            # rows shorter than the attended span must not see positions past their length
+            key_pos = torch.arange(attended, device=self.device)
             mask = (key_pos.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]  # [B,1,1,span]
         view = _BatchCacheView(kv, bsz, pos, span)
+        extra = {} if plan is None else {"ragged_decode": plan}
         with self.lock:
             hidden = self.embed_tokens(ids)  # [B, 1, H]
-            hidden = self._layers_forward(hidden, pos.unsqueeze(1), mask, view)
+            hidden = self._layers_forward(hidden, pos.unsqueeze(1), mask, view, **extra)
             return self._logits(hidden[:, -1])

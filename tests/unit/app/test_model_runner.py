@@ -136,3 +136,42 @@ def test_batch_buffer_rounding_and_growth_zeroes_what_it_does_not_copy(tiny_mode
     part = grown.parts[0]
     assert bool((part[:, :, :2, :, :128] == 7.0).all())
     assert not bool(part[:, :, :2, :, 128:].any()) and not bool(part[:, :, 2:].any())
+
+
+def test_ragged_plan_attends_outliers_alone_only_when_it_pays(monkeypatch):
+    from app import model_runner
+    from app.model_runner import RaggedDecode, plan_ragged
+
+    # eleven chats near 150 and one 1,040-token document: the document alone, the rest to 200
+    lengths = [100, 120, 130, 140, 150, 160, 170, 180, 190, 200, 110, 1040]
+    assert plan_ragged(lengths) == RaggedDecode(200, ((11, 1040),))
+    assert plan_ragged([150] * 12) is None  # equal lengths: nothing to save
+    assert plan_ragged([100, 180, 250, 300]) is None  # the saving would not pay for a call
+    monkeypatch.setattr(model_runner, "_ROW_CALL_POSITIONS", 0)
+    assert plan_ragged([5, 40, 6, 7]) == RaggedDecode(7, ((1, 40),))
+
+
+async def test_ragged_decode_steps_match_generate(tiny_model, monkeypatch):
+    """With every uneven batch split (no per-call cost), rows of very different lengths are
+    attended each to its own length, and greedy tokens still equal generate()."""
+    from app import model_runner
+
+    monkeypatch.setattr(model_runner, "_ROW_CALL_POSITIONS", 0)
+    core = EngineCore(EngineConfig(max_batch_size=8), model=tiny_model)
+    assert core.runner.ragged
+    planned = []
+    real_plan = model_runner.plan_ragged
+
+    def spy(lengths):
+        plan = real_plan(lengths)
+        planned.append(plan)
+        return plan
+
+    monkeypatch.setattr(model_runner, "plan_ragged", spy)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 60, 5, 120, 9)]
+    max_tokens = [12, 6, 9, 10, 4]
+    outs = await _decode_all(core, prompts, max_tokens)
+    assert any(p is not None and len(p.long_rows) >= 2 for p in planned)
+    for p, m, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out == hf_greedy(tiny_model, p, m)
