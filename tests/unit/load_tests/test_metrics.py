@@ -167,3 +167,22 @@ def test_server_timings_join_by_id_and_break_down():
     assert b["client_e2e_ms_mean"] == pytest.approx(2000.0)
     assert b["share_of_e2e"]["decode_s"] == pytest.approx(0.5)
     assert breakdown([recs[3]])["requests"] == 0
+
+
+def test_slo_capacity_interpolates_the_rate_where_attainment_crosses_the_target():
+    from load_tests.goodput import attainment, slo_capacity
+
+    assert slo_capacity([(0.2, 1.0), (0.4, 0.95), (0.6, 0.75), (0.8, 0.1)], 0.9) == \
+        pytest.approx(0.4 + 0.2 * (0.95 - 0.9) / (0.95 - 0.75))
+    assert slo_capacity([(0.4, 0.95), (0.2, 1.0)], 0.9) == 0.4  # every rate met it
+    assert slo_capacity([(0.2, 0.8), (0.4, 0.95)], 0.9) == 0.0  # the lowest rate misses
+    # past the first miss, a lucky higher rate does not count
+    assert slo_capacity([(0.2, 1.0), (0.4, 0.5), (0.6, 0.95)], 0.9) == \
+        pytest.approx(0.2 + 0.2 * 0.1 / 0.5)
+    reqs = [{"class": "a", "sent_at": 0.0, "ok": True, "ttft_s": 0.5, "e2e_s": 2.0,
+             "output_tokens": 11},
+            {"class": "a", "sent_at": 0.0, "ok": True, "ttft_s": 3.0, "e2e_s": 4.0,
+             "output_tokens": 11},
+            {"class": "a", "sent_at": 0.0, "ok": False, "error": "x"}]
+    assert attainment(reqs, {"ttft": 1000, "tpot": 200}) == pytest.approx(1 / 3)
+    assert attainment(reqs, {"ttft": 5000}) == pytest.approx(2 / 3)
