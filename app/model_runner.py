@@ -38,8 +38,11 @@ _CAPACITY_STEP = 128
 
 
 # What one extra attention call for a single row costs, in attended positions of the batch:
-# about a millisecond per step over 30 layers on a CPU core, the time to read ~500 positions.
-_ROW_CALL_POSITIONS = 512
+# on a CPU core about a millisecond per step over 30 layers, the time to read ~500
+# positions; on a GPU a kernel launch per layer costs as much as reading thousands (a guess
+# kept conservative until measured there: it only splits steps with a large outlier).
+ROW_CALL_POSITIONS = {"cpu": 512}
+_ROW_CALL_POSITIONS_ACCELERATOR = 8192
 # Split a decode step's attention only when it reads at most this share of the padded batch.
 _RAGGED_MAX_SHARE = 0.75
 RAGGED_ATTENTION = "splitserve_ragged"
@@ -56,15 +59,16 @@ class RaggedDecode:
     long_rows: tuple[tuple[int, int], ...]
 
 
-def plan_ragged(lengths: list[int]) -> RaggedDecode | None:
-    """The cheapest split of a step's attention (positions read, plus a fixed cost per row
-    attended alone), or None when one padded call over the longest row is about as cheap."""
+def plan_ragged(lengths: list[int], row_call_positions: int) -> RaggedDecode | None:
+    """The cheapest split of a step's attention (positions read, plus ``row_call_positions``
+    per row attended alone), or None when one padded call over the longest row is about as
+    cheap."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     rows = len(lengths)
     padded = rows * lengths[order[0]]
     best_cost, best_k, alone = padded, 0, 0
     for k in range(1, rows):
-        alone += lengths[order[k - 1]] + _ROW_CALL_POSITIONS
+        alone += lengths[order[k - 1]] + row_call_positions
         cost = rows * lengths[order[k]] + alone
         if cost < best_cost:
             best_cost, best_k = cost, k
@@ -254,6 +258,8 @@ class ModelRunner:
         if getattr(cfg, "_attn_implementation", None) in ("sdpa", RAGGED_ATTENTION):
             model.set_attn_implementation(RAGGED_ATTENTION)
         self.ragged = getattr(cfg, "_attn_implementation", None) == RAGGED_ATTENTION
+        self.row_call_positions = ROW_CALL_POSITIONS.get(self.kv_device.type,
+                                                         _ROW_CALL_POSITIONS_ACCELERATOR)
 
     def _layers_forward(self, hidden, position_ids, mask, cache,
                         **attention_kwargs) -> torch.Tensor:
@@ -379,7 +385,8 @@ class ModelRunner:
         assert span <= kv.capacity, f"position {span - 1} outside KV capacity {kv.capacity}"
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device).unsqueeze(1)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        plan = plan_ragged([p + 1 for p in positions]) if self.ragged else None
+        plan = (plan_ragged([p + 1 for p in positions], self.row_call_positions)
+                if self.ragged else None)
         attended = plan.span if plan is not None else span
         mask = None
         if min(positions) < attended - 1:

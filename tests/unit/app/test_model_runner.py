@@ -138,17 +138,16 @@ def test_batch_buffer_rounding_and_growth_zeroes_what_it_does_not_copy(tiny_mode
     assert not bool(part[:, :, :2, :, 128:].any()) and not bool(part[:, :, 2:].any())
 
 
-def test_ragged_plan_attends_outliers_alone_only_when_it_pays(monkeypatch):
-    from app import model_runner
+def test_ragged_plan_attends_outliers_alone_only_when_it_pays():
     from app.model_runner import RaggedDecode, plan_ragged
 
     # eleven chats near 150 and one 1,040-token document: the document alone, the rest to 200
     lengths = [100, 120, 130, 140, 150, 160, 170, 180, 190, 200, 110, 1040]
-    assert plan_ragged(lengths) == RaggedDecode(200, ((11, 1040),))
-    assert plan_ragged([150] * 12) is None  # equal lengths: nothing to save
-    assert plan_ragged([100, 180, 250, 300]) is None  # the saving would not pay for a call
-    monkeypatch.setattr(model_runner, "_ROW_CALL_POSITIONS", 0)
-    assert plan_ragged([5, 40, 6, 7]) == RaggedDecode(7, ((1, 40),))
+    assert plan_ragged(lengths, 512) == RaggedDecode(200, ((11, 1040),))
+    assert plan_ragged(lengths, 8192) is None  # a call dearer than the positions it saves
+    assert plan_ragged([150] * 12, 0) is None  # equal lengths: nothing to save
+    assert plan_ragged([100, 180, 250, 300], 512) is None  # the saving would not pay
+    assert plan_ragged([5, 40, 6, 7], 0) == RaggedDecode(7, ((1, 40),))
 
 
 async def test_ragged_decode_steps_match_generate(tiny_model, monkeypatch):
@@ -156,14 +155,14 @@ async def test_ragged_decode_steps_match_generate(tiny_model, monkeypatch):
     attended each to its own length, and greedy tokens still equal generate()."""
     from app import model_runner
 
-    monkeypatch.setattr(model_runner, "_ROW_CALL_POSITIONS", 0)
     core = EngineCore(EngineConfig(max_batch_size=8), model=tiny_model)
-    assert core.runner.ragged
+    assert core.runner.ragged and core.runner.row_call_positions == 512
+    core.runner.row_call_positions = 0
     planned = []
     real_plan = model_runner.plan_ragged
 
-    def spy(lengths):
-        plan = real_plan(lengths)
+    def spy(lengths, row_call_positions):
+        plan = real_plan(lengths, row_call_positions)
         planned.append(plan)
         return plan
 
