@@ -202,6 +202,12 @@ class PassCost:
         return self.overhead_s + max(self.compute(x1, x2), self.memory(x1, x2))
 
 
+def _scaled(cost: PassCost, factor: float) -> PassCost:
+    lin = [Linear(x.c0 * factor, x.c1 * factor, x.c2 * factor)
+           for x in (cost.compute, cost.memory)]
+    return PassCost(cost.overhead_s * factor, lin[0], lin[1])
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceProfile:
     """What one replica of a phase costs in time, money and power.
@@ -257,12 +263,12 @@ class DeviceProfile:
 
     def slowed(self, factor: float) -> DeviceProfile:
         """Every engine pass ``factor`` times slower (the cores shared with the serving stack)."""
-        def scale(c: PassCost) -> PassCost:
-            lin = [Linear(x.c0 * factor, x.c1 * factor, x.c2 * factor)
-                   for x in (c.compute, c.memory)]
-            return PassCost(c.overhead_s * factor, lin[0], lin[1])
+        return replace(self, prefill=_scaled(self.prefill, factor),
+                       decode=_scaled(self.decode, factor))
 
-        return replace(self, prefill=scale(self.prefill), decode=scale(self.decode))
+    def slowed_prefill(self, factor: float) -> DeviceProfile:
+        """Prefill passes ``factor`` times slower, decode steps unchanged."""
+        return replace(self, prefill=_scaled(self.prefill, factor))
 
     def with_price(self, price_per_hour: float) -> DeviceProfile:
         return replace(self, price_per_hour=price_per_hour)

@@ -229,22 +229,32 @@ def measure_stack(base_url: str, *, concurrency: Sequence[int] = STACK_CONCURREN
 
 def stack_device(device: DeviceProfile, stack: dict[str, Any], *,
                  hop: bool = True) -> DeviceProfile:
-    """``device`` with the serving stack's costs fitted from ``measure_stack``: per-step
-    ``decode_stack`` (measured TPOT less the engine's step at that batch and span, fitted as
-    ``c0 + c1 x batch``) and ``request_overhead_s`` (measured TTFT of a lone request less
-    its prefill pass and, with ``hop``, its KV hop)."""
-    dc = stack["decode"]
-    extra = [p["tpot_s"] - device.decode_s(p["batch"], p["span"]) for p in dc]
-    fit = fit_linear([p["batch"] for p in dc], [0.0] * len(dc), extra)
-    overheads = []
+    """``device`` with the serving stack's costs fitted from ``measure_stack``.
+
+    * Prefill: a lone request's TTFT is ``overhead + factor x (prefill pass + KV hop)``
+      (with ``hop``); two prompt lengths give both (the factor is the engine slowed by the
+      processes it shares the cores with, the overhead HTTP, routing and tokenizing).
+    * Decode: ``decode_stack = c0 + c1 x batch`` is the measured TPOT less the engine's step
+      at that batch and span, least squares over the batches (``c0`` may be negative: it also
+      corrects the engine fit where the server's step is quicker than the fit says).
+    """
+    pts = []
     for p in stack["requests"]:
         n = p["prompt_tokens"]
         engine = device.prefill_s(1, n) + (device.hop_s(n * device.kv_bytes_per_token)
                                            if hop else 0.0)
-        overheads.append(p["ttft_s"] - engine)
+        pts.append((engine, p["ttft_s"]))
+    pts.sort()
+    (e0, t0), (e1, t1) = pts[0], pts[-1]
+    factor = max(1.0, (t1 - t0) / (e1 - e0)) if e1 > e0 else 1.0
+    overhead = max(0.0, statistics.median(t - factor * e for e, t in pts))
+    dc = stack["decode"]
+    x = np.array([[1.0, p["batch"]] for p in dc])
+    y = np.array([p["tpot_s"] - device.decode_s(p["batch"], p["span"]) for p in dc])
+    (c0, c1), *_ = np.linalg.lstsq(x, y, rcond=None)
     return dataclasses.replace(
-        device, decode_stack=Linear(max(0.0, fit.c0), fit.c1, 0.0),
-        request_overhead_s=max(0.0, statistics.median(overheads)))
+        device.slowed_prefill(factor), decode_stack=Linear(float(c0), max(0.0, float(c1)), 0.0),
+        request_overhead_s=overhead)
 
 
 def device_from_measurement(engine: dict[str, Any], hop: dict[str, Any] | None, *,

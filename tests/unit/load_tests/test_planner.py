@@ -366,8 +366,9 @@ def test_cli_takes_a_transformers_config_file(tmp_path, capsys):
 
 def test_stack_fit_adds_per_step_streaming_cost_and_request_overhead():
     """A stack measurement whose TPOT is the engine step plus 5 ms + 3 ms per stream, and
-    whose lone-request TTFT is prefill + hop + 40 ms, fits back to exactly those costs; the
-    simulator then charges them (a lone request's TPOT is step + 8 ms)."""
+    whose lone-request TTFT is prefill + hop + 40 ms (or 1.5x the prefill + 30 ms), fits back
+    to exactly those costs; the simulator then charges them (a lone request's TPOT is step +
+    8 ms)."""
     dev = DeviceProfile("cpu-1t", PassCost(0.0, Linear(0.01, 0.001, 0.0)),
                         PassCost(0.0, Linear(0.02, 0.004, 1e-6)), 1000, 1 << 20,
                         hop_latency_s=0.002, hop_gbs=1.0)
@@ -383,6 +384,14 @@ def test_stack_fit_adds_per_step_streaming_cost_and_request_overhead():
     assert fitted.request_overhead_s == pytest.approx(0.04)
     assert fitted.decode_s(4, 100) == pytest.approx(dev.decode_s(4, 100) + 0.017)
     assert DeviceProfile.from_dict(json.loads(json.dumps(fitted.to_dict()))) == fitted
+    assert fitted.prefill_s(1, 300) == pytest.approx(dev.prefill_s(1, 300))  # factor 1
+    # prefill 1.5x slower in the server plus 30 ms: both recovered from two prompt lengths
+    slow = {**stack, "requests": [{"prompt_tokens": n, "ttft_s": 1.5 * (dev.prefill_s(1, n)
+                                   + dev.hop_s(n * 1000)) + 0.03} for n in (64, 256)]}
+    fitted = stack_device(dev, slow)
+    assert fitted.request_overhead_s == pytest.approx(0.03)
+    assert fitted.prefill_s(2, 300) == pytest.approx(1.5 * dev.prefill_s(2, 300))
+    assert fitted.decode_s(4, 100) == pytest.approx(dev.decode_s(4, 100) + 0.017)
     [rec] = simulate(SplitSystem(fitted, fitted, 1, 1, NO_WAIT),
                      [Arrival(0.0, 64, 5)]).records
     assert rec.tpot_s == pytest.approx(fitted.decode_s(1, 70), rel=0.05)
