@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--threads", default="1,2", help="torch thread counts to profile")
     pp.add_argument("--no-hop", action="store_true", help="skip the Ray KV-hop measurement")
     pp.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
+    pp.add_argument("--main-thread", action="store_true",
+                    help="time the passes on the main thread (default: a worker thread, as "
+                    "a replica runs them)")
 
     pk = sub.add_parser("stack", help="time the serving stack around the engine on a live "
                         "app (decode TPOT vs streams, lone-request TTFT) and write a JSON")
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         from load_tests.planner.profile import run_profile
 
         prof = run_profile(Path(args.out), threads=[int(t) for t in args.threads.split(",")],
-                           hop=not args.no_hop, quick=args.quick)
+                           hop=not args.no_hop, quick=args.quick,
+                           worker_thread=not args.main_thread)
         print(json.dumps(prof["devices"], indent=1))
         print(f"profile: {args.out}")
         return 0

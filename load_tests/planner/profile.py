@@ -68,8 +68,21 @@ def _median_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = None,
-                   quick: bool = False) -> dict[str, Any]:
-    """Time prefill and decode passes of the app's engine with ``num_threads`` torch threads."""
+                   quick: bool = False, worker_thread: bool = True) -> dict[str, Any]:
+    """Time prefill and decode passes of the app's engine with ``num_threads`` torch threads.
+
+    By default on a worker thread, as a replica runs its passes (never on the process's main
+    thread): with two torch threads a batch-1 decode step measured here took 30 ms on the
+    main thread and 50 ms on any other, so a main-thread profile flatters a multi-threaded
+    replica by that much.
+    """
+    if worker_thread:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile") as pool:
+            result = pool.submit(measure_engine, num_threads, repeats=repeats, model=model,
+                                 quick=quick, worker_thread=False).result()
+        return {**result, "thread": "worker"}
     import torch
 
     from app.config import DEFAULT_MODEL, EngineConfig
@@ -295,9 +308,10 @@ def device_from_measurement(engine: dict[str, Any], hop: dict[str, Any] | None, 
 
 
 def run_profile(out: Path, *, threads: Sequence[int] = (1, 2), hop: bool = True,
-                quick: bool = False, model: str | None = None) -> dict[str, Any]:
-    engines = {str(t): measure_engine(t, quick=quick, model=model,
-                                      repeats=2 if quick else 3) for t in threads}
+                quick: bool = False, model: str | None = None,
+                worker_thread: bool = True) -> dict[str, Any]:
+    engines = {str(t): measure_engine(t, quick=quick, model=model, repeats=2 if quick else 3,
+                                      worker_thread=worker_thread) for t in threads}
     hop_data = measure_hop(repeats=3 if quick else 5) if hop else None
     profile = {
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
