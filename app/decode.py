@@ -16,6 +16,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from app.errors import QueueFullError
@@ -187,15 +188,18 @@ class Decoder:
 
 
 class DecodeLoop:
-    """Asyncio face of a :class:`Decoder`: one background task steps it in a worker thread.
+    """Asyncio face of a :class:`Decoder`: one background task steps it on ``executor``
+    (the engine's thread).
 
     Adds and cancels are queued and applied by that task between steps, so the decoder is
     never touched while a step runs. ``max_waiting`` bounds the sequences that
     wait for a row; past it ``generate`` raises :class:`QueueFullError` at once.
     """
 
-    def __init__(self, decoder: Decoder, *, max_waiting: int, fingerprint: str) -> None:
+    def __init__(self, decoder: Decoder, *, max_waiting: int, fingerprint: str,
+                 executor: Executor | None = None) -> None:
         self.decoder = decoder
+        self.executor = executor  # the engine's thread, where every step runs
         self.max_waiting = max_waiting
         self.fingerprint = fingerprint
         self._pending_adds: list[tuple[Sequence, KVPackage]] = []
@@ -295,7 +299,8 @@ class DecodeLoop:
             self._apply_pending()  # on the loop thread, while no step runs
             self.step_started_at = time.monotonic()
             try:
-                touched = await asyncio.to_thread(self.decoder.step)
+                touched = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.decoder.step)
             except Exception as exc:  # a failed step must not strand any stream
                 logger.exception("decode step failed")
                 for seq in self.decoder.fail_all():

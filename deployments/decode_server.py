@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -58,7 +57,7 @@ class DecodeServer(DecodeReplica):
         self.prefiller.validate(req)
         self.local_prefilling += 1
         try:
-            [package] = await asyncio.to_thread(self.prefiller.prefill, [req])
+            [package] = await self.core.run(self.prefiller.prefill, [req])
         finally:
             self.local_prefilling -= 1
         self.local_prefills += 1

@@ -76,6 +76,7 @@ class PrefillBatcher:
 
     def __init__(self, core: EngineCore, wait_s: float, metrics: PrefillMetrics,
                  on_batch: Callable[[int, int, float], None] | None = None) -> None:
+        self.core = core
         self.prefiller = core.make_prefiller()
         self.token_budget = core.config.prefill_token_budget
         self._prefill_batch.set_max_batch_size(self.token_budget)
@@ -112,8 +113,8 @@ class PrefillBatcher:
     ) -> list[KVPackage]:
         requests = [req for req, _ in items]
         start = time.perf_counter()
-        # a worker thread: the runner's lock orders it with any decode step of this process
-        packages = await asyncio.to_thread(self.prefiller.prefill, requests)
+        # the engine's thread, which also runs any decode step of this process
+        packages = await self.core.run(self.prefiller.prefill, requests)
         elapsed = time.perf_counter() - start
         tokens = sum(r.num_tokens for r in requests)
         self.requests_total += len(requests)
