@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--no-hop", action="store_true", help="skip the Ray KV-hop measurement")
     pp.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
     pp.add_argument("--main-thread", action="store_true",
-                    help="time the passes on the main thread (default: a worker thread, as "
-                    "a replica runs them)")
+                    help="time the passes on the calling thread (default: one worker thread, as "
+                    "a replica's engine thread runs them)")
 
     pk = sub.add_parser("stack", help="time the serving stack around the engine on a live "
                         "app (decode TPOT vs streams, lone-request TTFT) and write a JSON")

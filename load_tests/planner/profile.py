@@ -71,10 +71,8 @@ def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = No
                    quick: bool = False, worker_thread: bool = True) -> dict[str, Any]:
     """Time prefill and decode passes of the app's engine with ``num_threads`` torch threads.
 
-    By default on a worker thread, as a replica runs its passes (never on the process's main
-    thread): with two torch threads a batch-1 decode step measured here took 30 ms on the
-    main thread and 50 ms on any other, so a main-thread profile flatters a multi-threaded
-    replica by that much.
+    By default on one worker thread that also loads the model, as a replica's engine thread
+    does (``EngineCore``); ``worker_thread=False`` times them on the calling thread.
     """
     if worker_thread:
         from concurrent.futures import ThreadPoolExecutor
