@@ -49,10 +49,16 @@ class EngineCore:
         apply_thread_setting(config.num_threads)
         self.config = config
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.model = model if model is not None else self.thread.submit(
-            load_model, config).result()
+        if model is None:
+            self.model = self.thread.submit(load_model, config).result()
+            self.fingerprint = self.thread.submit(
+                lambda: fingerprint(self.model).as_str()).result()
+        else:
+            # the caller's model, built on the caller's thread (benchmarks and tests that
+            # drive the runner directly): keep this constructor's torch work there too
+            self.model = model
+            self.fingerprint = fingerprint(model).as_str()
         self.runner = ModelRunner(self.model, config)
-        self.fingerprint = self.thread.submit(lambda: fingerprint(self.model).as_str()).result()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the engine's thread."""
