@@ -41,7 +41,7 @@ _CAPACITY_STEP = 128
 # on a CPU core about a millisecond per step over 30 layers, the time to read ~500
 # positions; on a GPU a kernel launch per layer costs as much as reading thousands (a guess
 # kept conservative until measured there: it only splits steps with a large outlier).
-ROW_CALL_POSITIONS = {"cpu": 512}
+_ROW_CALL_POSITIONS_CPU = 512
 _ROW_CALL_POSITIONS_ACCELERATOR = 8192
 # Split a decode step's attention only when it reads at most this share of the padded batch.
 _RAGGED_MAX_SHARE = 0.75
@@ -258,8 +258,8 @@ class ModelRunner:
         if getattr(cfg, "_attn_implementation", None) in ("sdpa", RAGGED_ATTENTION):
             model.set_attn_implementation(RAGGED_ATTENTION)
         self.ragged = getattr(cfg, "_attn_implementation", None) == RAGGED_ATTENTION
-        self.row_call_positions = ROW_CALL_POSITIONS.get(self.kv_device.type,
-                                                         _ROW_CALL_POSITIONS_ACCELERATOR)
+        self.row_call_positions = (_ROW_CALL_POSITIONS_CPU if self.kv_device.type == "cpu"
+                                   else _ROW_CALL_POSITIONS_ACCELERATOR)
 
     def _layers_forward(self, hidden, position_ids, mask, cache,
                         **attention_kwargs) -> torch.Tensor:

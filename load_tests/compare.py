@@ -41,6 +41,17 @@ def load(path: str | Path) -> dict[str, Any]:
     return json.loads((p / "results.json" if p.is_dir() else p).read_text())
 
 
+def load_labeled(items: list[str], parser: argparse.ArgumentParser) -> dict[str, dict[str, Any]]:
+    """``LABEL=PATH`` arguments -> results by label (a malformed item is a usage error)."""
+    loaded = {}
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep:
+            parser.error(f"{item!r}: expected LABEL=PATH")
+        loaded[label] = load(path)
+    return loaded
+
+
 def rows(label: str, results: dict[str, Any], request_class: str | None) -> list[list[str]]:
     out = []
     for run in results["runs"]:
@@ -75,12 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--class", dest="request_class", default=None,
                         help="one request class (default: all requests)")
     args = parser.parse_args(argv)
-    loaded = {}
-    for item in args.results:
-        label, sep, path = item.partition("=")
-        if not sep:
-            parser.error(f"{item!r}: expected LABEL=PATH")
-        loaded[label] = load(path)
+    loaded = load_labeled(args.results, parser)
     print(table(loaded, args.request_class))
     return 0
 

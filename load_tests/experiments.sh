@@ -17,8 +17,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=.venv/bin/python
-BIN=.venv/bin
 RATES=${RATES:-0.2,0.4,0.6,0.8}
 DURATION=${DURATION:-100}
 SLO=${SLO:-"ttft:8000 tpot:200"}
@@ -26,8 +24,6 @@ SHORT_RATE=${SHORT_RATE:-0.5}
 SHORT_N=${SHORT_N:-30}
 CONFIGS=${CONFIGS:-"local local-colocated"}
 OUT=${OUT:-load_tests/results/experiments-$(date +%Y%m%d-%H%M%S)}
-URL=http://127.0.0.1:8000
-mkdir -p "$OUT"
 
 source load_tests/serve_local.sh
 start_head

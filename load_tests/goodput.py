@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from load_tests.compare import load
+from load_tests.compare import load_labeled
 from load_tests.metrics import RequestRecord, meets_slos, parse_slos
 
 
@@ -86,12 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.9,
                         help="attainment that defines capacity (default %(default)s)")
     args = parser.parse_args(argv)
-    loaded = {}
-    for item in args.results:
-        label, sep, path = item.partition("=")
-        if not sep:
-            parser.error(f"{item!r}: expected LABEL=PATH")
-        loaded[label] = load(path)
+    loaded = load_labeled(args.results, parser)
     for spec in args.slo:
         slos = parse_slos([spec])
         text, capacity = sweep_table(loaded, slos, args.target)

@@ -15,16 +15,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=.venv/bin/python
-BIN=.venv/bin
 STREAMS=${STREAMS:-4}
 DOC_RATE=${DOC_RATE:-0.2}
 MAX_DOCS=${MAX_DOCS:-100}
 DOC_OUTPUT=${DOC_OUTPUT:-16}
 CONFIGS=${CONFIGS:-"local local-colocated"}
 OUT=${OUT:-load_tests/results/interference-$(date +%Y%m%d-%H%M%S)}
-URL=http://127.0.0.1:8000
-mkdir -p "$OUT"
 
 source load_tests/serve_local.sh
 start_head

@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
-from load_tests.compare import load as load_results
+from load_tests.compare import load_labeled
 
 LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E latency"))
 
@@ -105,12 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--goodput", action="store_true",
                         help="plot goodput vs rate instead of latency CDFs")
     args = parser.parse_args(argv)
-    loaded: dict[str, dict[str, Any]] = {}
-    for item in args.results:
-        label, sep, file = item.partition("=")
-        if not sep:
-            parser.error(f"{item!r}: expected LABEL=PATH")
-        loaded[label] = load_results(file)
+    loaded = load_labeled(args.results, parser)
     if args.goodput:
         sweeps = {label: [(run["rate"], run["summary"]["overall"]) for run in res["runs"]]
                   for label, res in loaded.items()}

@@ -1,6 +1,13 @@
-# Sourced by the load-test scripts: a local Ray head offering both phase tags, one Serve
-# config at a time on it, and cleanup on exit. Needs PY, BIN, URL and OUT set by the caller.
-# Starts its own Ray head, so no other Ray may run here; stops everything on exit.
+# Sourced by the load-test scripts, from the repository root: a local Ray head offering both
+# phase tags, one Serve config at a time on it, and cleanup on exit. The caller sets OUT (the
+# results folder, created here); PY, BIN and URL default to the project's venv and the app's
+# local address. Starts its own Ray head, so no other Ray may run here; stops everything on
+# exit.
+
+PY=${PY:-.venv/bin/python}
+BIN=${BIN:-.venv/bin}
+URL=${URL:-http://127.0.0.1:8000}
+mkdir -p "$OUT"
 
 if "$BIN/ray" status >/dev/null 2>&1; then
   echo "a Ray cluster is already running here; stop it first (ray stop)" >&2

@@ -71,25 +71,26 @@ def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = No
                    quick: bool = False, worker_thread: bool = True) -> dict[str, Any]:
     """Time prefill and decode passes of the app's engine with ``num_threads`` torch threads.
 
-    By default on one worker thread that also loads the model, as a replica's engine thread
-    does (``EngineCore``); ``worker_thread=False`` times them on the calling thread.
+    By default on the engine's own thread, which also loaded the model, as a replica runs
+    them (``EngineCore.thread``); ``worker_thread=False`` times them on the calling thread.
     """
-    if worker_thread:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile") as pool:
-            result = pool.submit(measure_engine, num_threads, repeats=repeats, model=model,
-                                 quick=quick, worker_thread=False).result()
-        return {**result, "thread": "worker"}
-    import torch
-
     from app.config import DEFAULT_MODEL, EngineConfig
     from app.local_engine import EngineCore
+
+    core = EngineCore(EngineConfig(model=model or DEFAULT_MODEL, num_threads=num_threads))
+    if not worker_thread:
+        return _time_passes(core, num_threads, repeats, quick)
+    result = core.thread.submit(_time_passes, core, num_threads, repeats, quick).result()
+    return {**result, "thread": "worker"}
+
+
+def _time_passes(core: Any, num_threads: int, repeats: int, quick: bool) -> dict[str, Any]:
+    import torch
+
     from app.sampling import SamplingParams
     from app.sequence import PrefillRequest
 
-    cfg = EngineConfig(model=model or DEFAULT_MODEL, num_threads=num_threads)
-    core = EngineCore(cfg)
+    cfg = core.config
     torch.set_num_threads(num_threads)
     prefiller = core.make_prefiller()
     runner = core.runner

@@ -18,15 +18,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 CFG=${1:?usage: validation_runs.sh local|local-colocated}
-PY=.venv/bin/python
-BIN=.venv/bin
 INPUT=${INPUT:-256}
 OUTPUT=${OUTPUT:-32}
 RATES=${RATES:-0.3,0.6,0.9}
 N=${N:-30}
 OUT=${OUT:-load_tests/results/planner-validation/$CFG}
-URL=http://127.0.0.1:8000
-mkdir -p "$OUT"
 
 source load_tests/serve_local.sh
 
