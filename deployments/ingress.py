@@ -112,6 +112,18 @@ def _openapi_schema() -> dict[str, Any]:
                         "text/event-stream": {"schema": {"type": "string"}}}},
             **{code: error for code in ("400", "401", "404", "413", "429", "500", "503", "504")},
         }
+    # GET /debug/requests reads its query itself, for the same reason
+    op = schema["paths"]["/debug/requests"]["get"]
+    op["parameters"] = [{"name": "limit", "in": "query", "required": False,
+                         "schema": {"type": "integer", "minimum": 0, "default": 100}}]
+    op["responses"] = {
+        "200": {"description": "The last finished requests' server-side timings",
+                "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["object", "data"],
+                    "properties": {"object": {"type": "string"},
+                                   "data": {"type": "array"}}}}}},
+        **{code: error for code in ("400", "401", "404")},
+    }
     schema["openapi"] = "3.1.0"
     api.openapi_schema = schema
     return schema
@@ -555,13 +567,18 @@ class Ingress:
             "max_model_len": self.max_model_len}]}
 
     @api.get("/debug/requests")
-    async def http_recent_requests(self, limit: int = 100):
+    async def http_recent_requests(self, request: Request):
         """Server-side timings of the most recent finished requests, newest last (see
-        ``RequestTrace``); 404 when ``ingress.trace_history`` is 0."""
+        ``RequestTrace``); ``limit`` (default 100) a non-negative integer, else 400; 404 when
+        ``ingress.trace_history`` is 0."""
+        raw = request.query_params.get("limit", "100")
+        if not raw.isdigit():
+            return error_response(InvalidRequestError(
+                f"limit must be a non-negative integer, got {raw!r}", param="limit"))
         if self.recent is None:
             return error_response(NotFoundError(
                 "request history is off (ingress.trace_history: 0)", code="not_found"))
-        return {"object": "list", "data": self.recent_requests(limit)}
+        return {"object": "list", "data": self.recent_requests(int(raw))}
 
     @api.get("/health")
     async def http_health(self):

@@ -167,7 +167,8 @@ def healthy(url: str) -> bool:
 
 def test_every_route_but_health_needs_the_api_key(url):
     routes = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-              ("GET", "/v1/models"), ("GET", "/openapi.json"), ("GET", "/docs")]
+              ("GET", "/v1/models"), ("GET", "/openapi.json"), ("GET", "/docs"),
+              ("GET", "/debug/requests")]
     body = {"prompt": "hi", "max_tokens": 1}
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -237,6 +238,21 @@ def test_non_object_oversized_and_pickled_bodies_are_refused(url):
                    json={"prompt": ref_like, "max_tokens": 2})
     assert r.status_code == 200
     assert r.json()["usage"]["prompt_tokens"] > 10  # tokenized as plain text
+    assert healthy(url)
+
+
+def test_request_history_limit_is_checked(url):
+    for bad in ("abc", "-1", "2.5", ""):
+        r = httpx.get(f"{url}/debug/requests", params={"limit": bad}, headers=AUTH, timeout=30)
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "limit"
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
+                   json={"prompt": "hi", "max_tokens": 2})
+    rid = r.json()["id"]
+    r = httpx.get(f"{url}/debug/requests", params={"limit": 1}, headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    [entry] = r.json()["data"]
+    assert entry["id"] == rid and entry["output_tokens"] == 2
     assert healthy(url)
 
 
