@@ -35,7 +35,7 @@ generate: setup
 	$(PY) -m app generate --chat --prompt "Explain in two sentences why the sky is blue." --max-tokens 96
 
 lint: setup
-	$(PY) -m ruff check app deployments load_tests tests
+	$(PY) -m ruff check app deployments load_tests planner tests
 
 bench: setup
 	$(PY) -m load_tests.engine_bench

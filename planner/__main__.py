@@ -1,17 +1,17 @@
-"""Capacity planner CLI: ``python -m load_tests.planner {profile,simulate,search,validate}``.
+"""Capacity planner CLI: ``python -m planner {profile,simulate,search,validate}``.
 
     # measure this machine (starts a 2-node local Ray cluster for the KV hop: hold the lock)
-    flock /tmp/splitserve-ray-cluster.lock .venv/bin/python -m load_tests.planner profile \\
-        --out load_tests/planner/data/profile-local.json
+    flock /tmp/splitserve-ray-cluster.lock .venv/bin/python -m planner profile \\
+        --out docs/planner/profile-local.json
     # simulate a workload on a fleet: measured devices or roofline presets
-    python -m load_tests.planner simulate --system split --prefill H100 --decode H100 \\
+    python -m planner simulate --system split --prefill H100 --decode H100 \\
         --num-prefill 1 --num-decode 2 --model llama-3.1-8b --rate 4 \\
         --input-len lognormal:2048:0.6:256:8000 --output-len lognormal:256:0.6:16:1024 \\
         --slo ttft:1000 tpot:50
     # the best split and colocated fleets per dollar
-    python -m load_tests.planner search --hardware H100,H200,A100,L4 --model llama-3.1-8b ...
+    python -m planner search --hardware H100,H200,A100,L4 --model llama-3.1-8b ...
     # predicted vs measured on real load-generator runs
-    python -m load_tests.planner validate --profile P.json --split A/results.json \\
+    python -m planner validate --profile P.json --split A/results.json \\
         --colocated B/results.json
 """
 
@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 from load_tests.metrics import parse_slos
-from load_tests.planner import hardware, search, validate
-from load_tests.planner.hardware import DeviceProfile
-from load_tests.planner.simulator import (
+from planner import hardware, search, validate
+from planner.hardware import DeviceProfile
+from planner.simulator import (
     ColocatedSystem,
     EngineLimits,
     SplitSystem,
@@ -40,7 +40,7 @@ from load_tests.workloads import LengthDist
 def _devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
     devs: dict[str, DeviceProfile] = {}
     if getattr(args, "profile", None):
-        from load_tests.planner.profile import load_devices
+        from planner.profile import load_devices
 
         devs.update(load_devices(args.profile))
     if args.model in hardware.MODELS:
@@ -94,12 +94,12 @@ def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m load_tests.planner", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m planner", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     pp = sub.add_parser("profile", help="measure this machine and write a profile JSON")
-    pp.add_argument("--out", default="load_tests/planner/data/profile-local.json")
+    pp.add_argument("--out", default="docs/planner/profile-local.json")
     pp.add_argument("--threads", default="1,2", help="torch thread counts to profile")
     pp.add_argument("--no-hop", action="store_true", help="skip the Ray KV-hop measurement")
     pp.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = ap.parse_args(argv)
     if args.cmd == "profile":
-        from load_tests.planner.profile import run_profile
+        from planner.profile import run_profile
 
         prof = run_profile(Path(args.out), threads=[int(t) for t in args.threads.split(",")],
                            hop=not args.no_hop, quick=args.quick,
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "stack":
         from load_tests.client import is_local_url
-        from load_tests.planner.profile import measure_stack
+        from planner.profile import measure_stack
 
         if not is_local_url(args.url):
             ap.error(f"{args.url} is not a loopback address")
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(stack, indent=1))
         return 0
     if args.cmd == "validate":
-        from load_tests.planner.profile import load_devices, stack_device
+        from planner.profile import load_devices, stack_device
 
         results = {k: v for k, v in (("split", args.split), ("colocated", args.colocated)) if v}
         if not results:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from load_tests.metrics import RequestRecord, summarize
-from load_tests.planner.hardware import DeviceProfile
+from planner.hardware import DeviceProfile
 from load_tests.workloads import LengthDist, arrival_gaps
 
 # ---- workload ---------------------------------------------------------------------------

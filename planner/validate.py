@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from load_tests.metrics import summarize
-from load_tests.planner.hardware import DeviceProfile
-from load_tests.planner.simulator import (
+from planner.hardware import DeviceProfile
+from planner.simulator import (
     ColocatedSystem,
     EngineLimits,
     SplitSystem,

@@ -5,12 +5,12 @@ prefiller with its KV packages and first-token sampling), once per thread count 
 replica uses 1 torch thread here, the colocated replica 2). The KV hop is timed on a small
 local Ray cluster (``ray.cluster_utils.Cluster``, a head plus one worker node): an actor puts a
 numpy array the size of a KV package, another actor gets it, on the same node or on the other
-one. The result is one :class:`~load_tests.planner.hardware.DeviceProfile` per thread count,
+one. The result is one :class:`~planner.hardware.DeviceProfile` per thread count,
 fitted by least squares, plus the raw points, in a JSON file.
 
 Starting Ray needs the machine lock::
 
-    flock /tmp/splitserve-ray-cluster.lock python -m load_tests.planner profile --out P.json
+    flock /tmp/splitserve-ray-cluster.lock python -m planner profile --out P.json
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from load_tests.planner.hardware import DeviceProfile, Linear, PassCost
+from planner.hardware import DeviceProfile, Linear, PassCost
 
 PREFILL_POINTS = ((1, 16), (1, 64), (1, 128), (1, 256), (1, 512), (1, 1024), (2, 256),
                   (4, 64), (4, 256), (8, 128))
@@ -302,7 +302,7 @@ def device_from_measurement(engine: dict[str, Any], hop: dict[str, Any] | None, 
         power_idle_w=CPU_WATTS_IDLE_PER_CORE * cores,
         source=f"measured on {platform.node()} ({platform.processor() or platform.machine()}), "
                f"{cores} torch thread(s), {engine['model']}; KV hop {where}; power and price "
-               "assumed (see load_tests/planner/profile.py)",
+               "assumed (see planner/profile.py)",
     )
 
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from load_tests.planner import search as planner_search
-from load_tests.planner.__main__ import main as planner_main
-from load_tests.planner.hardware import (
+from planner import search as planner_search
+from planner.__main__ import main as planner_main
+from planner.hardware import (
     HARDWARE,
     LLAMA_31_8B,
     SMOLLM2_135M,
@@ -20,13 +20,13 @@ from load_tests.planner.hardware import (
     PassCost,
     roofline_profile,
 )
-from load_tests.planner.profile import (
+from planner.profile import (
     device_from_measurement,
     fit_hop,
     fit_linear,
     stack_device,
 )
-from load_tests.planner.simulator import (
+from planner.simulator import (
     Arrival,
     ColocatedSystem,
     EngineLimits,
@@ -35,7 +35,7 @@ from load_tests.planner.simulator import (
     load_trace,
     simulate,
 )
-from load_tests.planner.validate import compare_run
+from planner.validate import compare_run
 from load_tests.workloads import LengthDist
 
 NO_WAIT = EngineLimits(max_batch_size=16, token_budget=4096, prefill_max_rows=8,
@@ -97,7 +97,7 @@ def test_roofline_kv_budget_and_fit():
     prof = roofline_profile(HARDWARE["H100"], LLAMA_31_8B)
     usable = 80e9 * 0.9 - LLAMA_31_8B.weight_bytes
     assert prof.kv_budget_tokens == int(usable // 131072)
-    from load_tests.planner.hardware import LLAMA_31_70B
+    from planner.hardware import LLAMA_31_70B
 
     with pytest.raises(ValueError, match="does not fit"):
         roofline_profile(HARDWARE["L4"], LLAMA_31_70B)

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from load_tests.planner.hardware import DeviceProfile
-from load_tests.planner.simulator import (
+from planner.hardware import DeviceProfile
+from planner.simulator import (
     ColocatedSystem,
     EngineLimits,
     SplitSystem,

@@ -3,10 +3,10 @@
 # fixed-length requests at three rates, on the split app (serve_configs/local.yaml) or the
 # colocated baseline (serve_configs/local-colocated.yaml), one config per call:
 #
-#   flock /tmp/splitserve-ray-cluster.lock load_tests/planner/validation_runs.sh local
-#   flock /tmp/splitserve-ray-cluster.lock load_tests/planner/validation_runs.sh local-colocated
+#   flock /tmp/splitserve-ray-cluster.lock planner/validation_runs.sh local
+#   flock /tmp/splitserve-ray-cluster.lock planner/validation_runs.sh local-colocated
 #
-# then `python -m load_tests.planner validate --profile ... RESULTS.json` replays each run's
+# then `python -m planner validate --profile ... RESULTS.json` replays each run's
 # arrivals through the simulator. Knobs (environment): INPUT (prompt tokens, 256), OUTPUT
 # (output tokens, 32), RATES ("0.3,0.6,0.9"), N (requests per rate, 30), OUT, PROFILE (1:
 # first profile the engine passes under the same lock, so the simulator sees the machine as the
@@ -15,7 +15,7 @@
 # --stack-colocated).
 # Starts its own Ray head, so no other Ray may run here; stops everything on exit.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 
 CFG=${1:?usage: validation_runs.sh local|local-colocated}
 INPUT=${INPUT:-256}
@@ -28,13 +28,13 @@ source load_tests/serve_local.sh
 
 if [ "${PROFILE:-1}" = 1 ]; then
   threads=1; [ "$CFG" = local-colocated ] && threads=2
-  "$PY" -m load_tests.planner profile --no-hop --quick --threads "$threads" \
+  "$PY" -m planner profile --no-hop --quick --threads "$threads" \
     --out "$OUT/engine-profile.json" >"$OUT/engine-profile.log" 2>&1
 fi
 start_head
 serve_config "$CFG"
 # the serving stack around the engine, on this app: decode TPOT vs streams, lone-request TTFT
-"$PY" -m load_tests.planner stack --url "$URL" --out "$OUT/stack.json" >"$OUT/stack.log" 2>&1
+"$PY" -m planner stack --url "$URL" --out "$OUT/stack.json" >"$OUT/stack.log" 2>&1
 "$PY" -m load_tests.loadgen --base-url "$URL" --endpoint completions --label "$CFG" \
   --input-len "$INPUT" --output-len "$OUTPUT" --rates "$RATES" --num-requests "$N" \
   --warmup 2 --duration 200 --drain-timeout 120 --slo ttft:2000 tpot:150 --no-progress \
