@@ -37,7 +37,7 @@ import httpx
 
 from load_tests.client import send_streaming
 from load_tests.metrics import RequestRecord
-from load_tests.topology import phase_args, split_topology, wait_ready
+from tests.cluster import phase_args, split_topology, wait_ready
 
 APP = "autoscale-scenario"
 SAMPLE_S = 0.5

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from load_tests.topology import phase_args, split_topology, wait_ready
+from tests.cluster import phase_args, split_topology, wait_ready
 
 APPS = {"hop": 0, "local": 1_000_000}  # app name -> local_prefill_threshold
 

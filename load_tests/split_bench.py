@@ -2,7 +2,7 @@
 
     python -m load_tests.split_bench [--rounds 5] [--json out.json]
 
-Builds the test topology (`load_tests.topology`: head for the ingress; one node offering only
+Builds the test topology (`tests.cluster`: head for the ingress; one node offering only
 `prefill_accel`; one only `decode_accel`; each with its own object store), deploys the app
 with one torch thread per phase, and in the same process runs the engine alone with one
 thread. Rounds alternate between the two so machine noise hits both alike. Prints:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.config import EngineConfig
     from app.local_engine import EngineCore
     from deployments.builder import build_app
-    from load_tests.topology import phase_args, split_topology, wait_ready
+    from tests.cluster import phase_args, split_topology, wait_ready
 
     results: dict = {}
     with split_topology(prefill_slots=1, decode_slots=1) as topo:

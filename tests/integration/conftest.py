@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from load_tests.topology import (
+from tests.cluster import (
     LOCK_PATH,
     OBJECT_STORE_BYTES,
     free_port,
@@ -19,7 +19,7 @@ from load_tests.topology import (
 )
 
 APP = "splitserve"
-# the test topology and its helpers are the benchmarks' too (load_tests/topology.py)
+# the test topology and its helpers are the benchmarks' too (tests/cluster.py)
 app_args = phase_args
 
 

@@ -1,6 +1,7 @@
-"""The test topology for benchmarks that need Ray: a head for the ingress, a node that offers
-only the prefill tag and a node that offers only the decode tag, each with its own raylet and
-object store, all on this machine; Serve's HTTP proxy on 127.0.0.1 on a free port."""
+"""The test topology (test infrastructure, shared by the integration tests and the benchmarks
+that need Ray): a head for the ingress, a node that offers only the prefill tag and a node
+that offers only the decode tag, each with its own raylet and object store, all on this
+machine; Serve's HTTP proxy on 127.0.0.1 on a free port."""
 
 from __future__ import annotations
 
