@@ -119,6 +119,108 @@ SpecMaker = Callable[[RequestClass, random.Random], RequestSpec]
 _UNFINISHED = "not finished within the run's time limit"
 
 
+def _build_specs(plan: LoadPlan, make_spec: SpecMaker) -> list[list[RequestSpec]]:
+    """Every stream's requests, drawn before the clock starts, seeded from ``plan.seed``."""
+    specs = []
+    for i, stream in enumerate(plan.streams):
+        rng = random.Random(f"{plan.seed}/{i}/specs")
+        specs.append([make_spec(pick_class(stream.classes, rng), rng)
+                      for _ in range(stream.num_requests)])
+    return specs
+
+
+class _LoadRun:
+    """One measured run: its clock, the streams' arrival loops and the records they leave."""
+
+    def __init__(self, plan: LoadPlan, client: httpx.AsyncClient, url: str,
+                 specs: list[list[RequestSpec]], bar: tqdm) -> None:
+        self.plan, self.client, self.url, self.specs, self.bar = plan, client, url, specs, bar
+        self.result = RunResult()
+        self.start = time.perf_counter()
+        self.deadline = self.start + plan.duration_s
+        self.foreground_done = asyncio.Event()
+
+    async def one(self, spec: RequestSpec) -> None:
+        plan = self.plan
+        body = spec.body(plan.endpoint, plan.model, plan.temperature)
+        sent = time.perf_counter() - self.start
+        try:
+            rec = await send_streaming(self.client, self.url, body, plan.endpoint,
+                                       spec.request_class, self.start, spec.input_tokens)
+        except asyncio.CancelledError:
+            self.result.records.append(RequestRecord(spec.request_class, sent,
+                                                     spec.input_tokens, error=_UNFINISHED))
+            raise
+        self.result.records.append(rec)
+        self.bar.update(1)
+
+    def stopped(self, stream: Stream) -> bool:
+        return time.perf_counter() >= self.deadline or (stream.background
+                                                        and self.foreground_done.is_set())
+
+    async def pause(self, stream: Stream, seconds: float) -> None:
+        seconds = min(seconds, max(0.0, self.deadline - time.perf_counter()))
+        if stream.background:
+            try:
+                await asyncio.wait_for(self.foreground_done.wait(), seconds)
+            except asyncio.TimeoutError:
+                pass
+        else:
+            await asyncio.sleep(seconds)
+
+    async def open_loop(self, stream: Stream, todo: list[RequestSpec],
+                        rng: random.Random) -> None:
+        assert stream.rate is not None
+        gaps = arrival_gaps(stream.rate, stream.burstiness, rng)
+        tasks = []
+        for i, spec in enumerate(todo):
+            if i:
+                await self.pause(stream, next(gaps))
+            if self.stopped(stream):
+                break
+            tasks.append(asyncio.create_task(self.one(spec)))
+        await asyncio.gather(*tasks)
+
+    async def closed_loop(self, stream: Stream, todo: list[RequestSpec]) -> None:
+        assert stream.concurrency is not None
+        queue = iter(todo)
+
+        async def client_loop() -> None:
+            for spec in queue:  # shared: each spec goes to exactly one client
+                if self.stopped(stream):
+                    return
+                await self.one(spec)
+
+        await asyncio.gather(*(client_loop() for _ in range(stream.concurrency)))
+
+    async def drive(self, i: int, stream: Stream) -> None:
+        rng = random.Random(f"{self.plan.seed}/{i}/arrivals")
+        if stream.rate is not None:
+            await self.open_loop(stream, self.specs[i], rng)
+        else:
+            await self.closed_loop(stream, self.specs[i])
+
+    async def all_streams(self) -> None:
+        streams = list(enumerate(self.plan.streams))
+        fg = [asyncio.create_task(self.drive(i, s)) for i, s in streams if not s.background]
+        bg = [asyncio.create_task(self.drive(i, s)) for i, s in streams if s.background]
+        try:
+            await asyncio.gather(*fg)
+        finally:
+            self.foreground_done.set()
+        await asyncio.gather(*bg)
+
+    async def run(self) -> RunResult:
+        runner = asyncio.create_task(self.all_streams())
+        try:
+            await asyncio.wait_for(runner, self.plan.duration_s + self.plan.drain_timeout_s)
+        except asyncio.TimeoutError:
+            pass  # the requests still running were recorded as unfinished
+        finally:
+            self.result.duration_s = time.perf_counter() - self.start
+        return self.result
+
+
 async def run_load(plan: LoadPlan, make_spec: SpecMaker, *, progress: bool = True,
                    warmup: int = 0,
                    transport: httpx.AsyncBaseTransport | None = None) -> RunResult:
@@ -129,12 +231,7 @@ async def run_load(plan: LoadPlan, make_spec: SpecMaker, *, progress: bool = Tru
     at the same offsets.
     """
     url = plan.base_url.rstrip("/") + ENDPOINT_PATHS[plan.endpoint]
-    specs = []
-    for i, stream in enumerate(plan.streams):
-        rng = random.Random(f"{plan.seed}/{i}/specs")
-        specs.append([make_spec(pick_class(stream.classes, rng), rng)
-                      for _ in range(stream.num_requests)])
-    result = RunResult()
+    specs = _build_specs(plan, make_spec)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(plan.request_timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
@@ -146,88 +243,10 @@ async def run_load(plan: LoadPlan, make_spec: SpecMaker, *, progress: bool = Tru
 
         bar = tqdm(total=sum(s.num_requests for s in plan.streams), unit="req",
                    disable=not progress, dynamic_ncols=True)
-        start = time.perf_counter()
-        deadline = start + plan.duration_s
-        foreground_done = asyncio.Event()
-
-        async def one(spec: RequestSpec) -> None:
-            body = spec.body(plan.endpoint, plan.model, plan.temperature)
-            sent = time.perf_counter() - start
-            try:
-                rec = await send_streaming(client, url, body, plan.endpoint,
-                                           spec.request_class, start, spec.input_tokens)
-            except asyncio.CancelledError:
-                result.records.append(RequestRecord(spec.request_class, sent,
-                                                    spec.input_tokens, error=_UNFINISHED))
-                raise
-            result.records.append(rec)
-            bar.update(1)
-
-        def stopped(stream: Stream) -> bool:
-            return time.perf_counter() >= deadline or (stream.background
-                                                       and foreground_done.is_set())
-
-        async def pause(stream: Stream, seconds: float) -> None:
-            seconds = min(seconds, max(0.0, deadline - time.perf_counter()))
-            if stream.background:
-                try:
-                    await asyncio.wait_for(foreground_done.wait(), seconds)
-                except asyncio.TimeoutError:
-                    pass
-            else:
-                await asyncio.sleep(seconds)
-
-        async def open_loop(stream: Stream, todo: list[RequestSpec], rng: random.Random):
-            assert stream.rate is not None
-            gaps = arrival_gaps(stream.rate, stream.burstiness, rng)
-            tasks = []
-            for i, spec in enumerate(todo):
-                if i:
-                    await pause(stream, next(gaps))
-                if stopped(stream):
-                    break
-                tasks.append(asyncio.create_task(one(spec)))
-            await asyncio.gather(*tasks)
-
-        async def closed_loop(stream: Stream, todo: list[RequestSpec]):
-            assert stream.concurrency is not None
-            queue = iter(todo)
-
-            async def client_loop() -> None:
-                for spec in queue:  # shared: each spec goes to exactly one client
-                    if stopped(stream):
-                        return
-                    await one(spec)
-
-            await asyncio.gather(*(client_loop() for _ in range(stream.concurrency)))
-
-        async def drive(i: int, stream: Stream) -> None:
-            rng = random.Random(f"{plan.seed}/{i}/arrivals")
-            if stream.rate is not None:
-                await open_loop(stream, specs[i], rng)
-            else:
-                await closed_loop(stream, specs[i])
-
-        async def all_streams() -> None:
-            fg = [asyncio.create_task(drive(i, s)) for i, s in enumerate(plan.streams)
-                  if not s.background]
-            bg = [asyncio.create_task(drive(i, s)) for i, s in enumerate(plan.streams)
-                  if s.background]
-            try:
-                await asyncio.gather(*fg)
-            finally:
-                foreground_done.set()
-            await asyncio.gather(*bg)
-
-        runner = asyncio.create_task(all_streams())
         try:
-            await asyncio.wait_for(runner, plan.duration_s + plan.drain_timeout_s)
-        except asyncio.TimeoutError:
-            pass  # the requests still running were recorded as unfinished
+            return await _LoadRun(plan, client, url, specs, bar).run()
         finally:
-            result.duration_s = time.perf_counter() - start
             bar.close()
-    return result
 
 
 # ---- CLI ---------------------------------------------------------------------------------
@@ -405,16 +424,85 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _rates(args: argparse.Namespace) -> list[float | None]:
+    if not args.rates:
+        return [args.rate]
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError("--rates must be positive numbers")
+    return [*rates]
+
+
+def _run_title(args: argparse.Namespace, rate: float | None) -> str:
+    if rate is not None:
+        return f"rate {rate:g}/s"
+    return f"concurrency {args.concurrency}" if args.concurrency else "per-class streams"
+
+
+async def _run_rate(args: argparse.Namespace, rate: float | None, base_streams: list[Stream],
+                    model: str, make_spec: SpecMaker, slos: dict[str, float]
+                    ) -> tuple[RunResult, list[RequestRecord], dict[str, Any]]:
+    """One run with the shared stream at ``rate``: its result, records by send time and
+    summary (with the server-side breakdown when asked for)."""
+    streams = [replace(s, rate=rate) if s.name == "shared" and rate is not None else s
+               for s in base_streams]
+    plan = LoadPlan(args.base_url, args.endpoint, streams, args.duration,
+                    args.drain_timeout, args.request_timeout, model, args.temperature,
+                    args.seed)
+    res = await run_load(plan, make_spec, progress=not args.no_progress, warmup=args.warmup)
+    records = sorted(res.records, key=lambda r: r.sent_at)
+    summary = summarize_by_class(records, res.duration_s, slos)
+    if args.server_timings:
+        traces = await fetch_server_timings(args.base_url, len(records) + args.warmup)
+        matched = attach_server_timings(records, traces)
+        names = list(summary["classes"])
+        summary["breakdown"] = {
+            n: breakdown([r for r in records if r.request_class == n]) for n in names}
+        summary["server_timings_matched"] = matched
+    return res, records, summary
+
+
+def _print_run(args: argparse.Namespace, title: str, res: RunResult,
+               records: list[RequestRecord], summary: dict[str, Any]) -> None:
+    print(f"\n== {args.label or args.base_url} · {title} · {res.duration_s:.1f} s ==")
+    print(format_summary(summary), flush=True)
+    if "breakdown" in summary:
+        print(f"server-side phases, ms ({summary['server_timings_matched']} of "
+              f"{len(records)} requests matched):")
+        print(format_breakdown(summary["breakdown"]), flush=True)
+
+
+def _plot_run(args: argparse.Namespace, rate: float | None, n_rates: int,
+              records: list[RequestRecord], out_dir: Path, title: str) -> None:
+    from load_tests.plots import plot_latency_cdfs
+
+    suffix = f"_rate{rate:g}" if n_rates > 1 and rate is not None else ""
+    by_class: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_class.setdefault(r.request_class, []).append(r.as_dict())
+    plot_latency_cdfs(by_class, out_dir / f"latency_cdf{suffix}.png",
+                      f"{args.label or ''} {title}".strip())
+
+
+def _results_doc(args: argparse.Namespace, model: str, slos: dict[str, float],
+                 classes: list[RequestClass], base_streams: list[Stream]) -> dict[str, Any]:
+    return {
+        "config": {
+            "label": args.label, "base_url": args.base_url, "endpoint": args.endpoint,
+            "model": model, "temperature": args.temperature, "seed": args.seed,
+            "duration_s": args.duration, "drain_timeout_s": args.drain_timeout,
+            "slos_ms": slos, "argv": sys.argv[1:],
+            "classes": [asdict(c) for c in classes],
+            "streams": [s.describe() for s in base_streams],
+        },
+        "runs": [],
+    }
+
+
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     slos = parse_slos(args.slo)
     classes = _classes(args)
-    rates: list[float | None]
-    if args.rates:
-        rates = [float(r) for r in args.rates.split(",") if r.strip()]
-        if not rates or any(r <= 0 for r in rates):
-            raise ValueError("--rates must be positive numbers")
-    else:
-        rates = [args.rate]
+    rates = _rates(args)
     base_streams = build_streams(classes, rate=rates[0], concurrency=args.concurrency,
                                  burstiness=args.burstiness, num_requests=args.num_requests)
     if args.rates and not any(s.name == "shared" for s in base_streams):
@@ -428,54 +516,17 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.out) if args.out else RESULTS_DIR / datetime.now().strftime(
         "%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {
-        "config": {
-            "label": args.label, "base_url": args.base_url, "endpoint": args.endpoint,
-            "model": model, "temperature": args.temperature, "seed": args.seed,
-            "duration_s": args.duration, "drain_timeout_s": args.drain_timeout,
-            "slos_ms": slos, "argv": sys.argv[1:],
-            "classes": [asdict(c) for c in classes],
-            "streams": [s.describe() for s in base_streams],
-        },
-        "runs": [],
-    }
+    results = _results_doc(args, model, slos, classes, base_streams)
     for rate in rates:
-        streams = [replace(s, rate=rate) if s.name == "shared" and rate is not None else s
-                   for s in base_streams]
-        plan = LoadPlan(args.base_url, args.endpoint, streams, args.duration,
-                        args.drain_timeout, args.request_timeout, model, args.temperature,
-                        args.seed)
-        res = await run_load(plan, make_spec, progress=not args.no_progress,
-                             warmup=args.warmup)
-        records = sorted(res.records, key=lambda r: r.sent_at)
-        summary = summarize_by_class(records, res.duration_s, slos)
-        if args.server_timings:
-            traces = await fetch_server_timings(args.base_url, len(records) + args.warmup)
-            matched = attach_server_timings(records, traces)
-            names = list(summary["classes"])
-            summary["breakdown"] = {
-                n: breakdown([r for r in records if r.request_class == n]) for n in names}
-            summary["server_timings_matched"] = matched
+        res, records, summary = await _run_rate(args, rate, base_streams, model, make_spec,
+                                                slos)
         results["runs"].append({"rate": rate, "concurrency": args.concurrency,
                                 "summary": summary,
                                 "requests": [r.as_dict() for r in records]})
-        title = f"rate {rate:g}/s" if rate is not None else (
-            f"concurrency {args.concurrency}" if args.concurrency else "per-class streams")
-        print(f"\n== {args.label or args.base_url} · {title} · {res.duration_s:.1f} s ==")
-        print(format_summary(summary), flush=True)
-        if "breakdown" in summary:
-            print(f"server-side phases, ms ({summary['server_timings_matched']} of "
-                  f"{len(records)} requests matched):")
-            print(format_breakdown(summary["breakdown"]), flush=True)
+        title = _run_title(args, rate)
+        _print_run(args, title, res, records, summary)
         if not args.no_plots:
-            from load_tests.plots import plot_latency_cdfs
-
-            suffix = f"_rate{rate:g}" if len(rates) > 1 and rate is not None else ""
-            by_class: dict[str, list[dict[str, Any]]] = {}
-            for r in records:
-                by_class.setdefault(r.request_class, []).append(r.as_dict())
-            plot_latency_cdfs(by_class, out_dir / f"latency_cdf{suffix}.png",
-                              f"{args.label or ''} {title}".strip())
+            _plot_run(args, rate, len(rates), records, out_dir, title)
     if not args.no_plots and len(rates) > 1:
         from load_tests.plots import plot_goodput_vs_rate
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from load_tests.client import sse_events
 from tests.cluster import phase_args, split_topology, wait_ready
 
 APPS = {"hop": 0, "local": 1_000_000}  # app name -> local_prefill_threshold
@@ -58,9 +59,8 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tok
             "stream": True}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                rec.chunk_times.append(time.perf_counter())
+        async for _ in sse_events(r):
+            rec.chunk_times.append(time.perf_counter())
     return rec
 
 

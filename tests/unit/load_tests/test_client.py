@@ -1,5 +1,5 @@
 """The streaming client and the run loop against a fake OpenAI server (httpx MockTransport):
-SSE parsing, TTFT/ITL timing, usage, failures, and the request and time bounds."""
+the SSE reader, TTFT/ITL timing, usage, failures, and the request and time bounds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from load_tests.client import is_local_url, send_streaming
+from load_tests.client import is_local_url, iter_sse_events, send_streaming, sse_events
 from load_tests.loadgen import LoadPlan, Stream, _parse_args, run_load
 from load_tests.workloads import LengthDist, RequestClass, RequestSpec
 
@@ -51,6 +51,33 @@ def fake_server(*, first_delay: float = 0.1, gap: float = GAP, status: int = 200
                               content=sse())
 
     return httpx.MockTransport(handler)
+
+
+SSE_BODY = (b": keep-alive comment\n\nevent: message\ndata: {\"a\": 1}\n\n"
+            b"data:{\"b\": [2]}\n\n\ndata: [DONE]\n\ndata: {\"after\": 3}\n\n")
+
+
+def _sse_transport(content: bytes) -> httpx.MockTransport:
+    return httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=content))
+
+
+async def test_sse_events_yields_data_chunks_until_done():
+    async with httpx.AsyncClient(transport=_sse_transport(SSE_BODY)) as client:
+        async with client.stream("POST", "http://127.0.0.1/v1/completions") as resp:
+            chunks = [c async for c in sse_events(resp)]
+    # comments, event: lines and blank separators carry no chunk; nothing after [DONE]
+    assert chunks == [{"a": 1}, {"b": [2]}]
+
+
+def test_iter_sse_events_reads_a_sync_response_the_same_way():
+    with httpx.Client(transport=_sse_transport(SSE_BODY)) as client:
+        with client.stream("POST", "http://127.0.0.1/v1/completions") as resp:
+            assert list(iter_sse_events(resp)) == [{"a": 1}, {"b": [2]}]
+    with httpx.Client(transport=_sse_transport(b"data: {not json}\n\n")) as client:
+        with client.stream("POST", "http://127.0.0.1/v1/completions") as resp:
+            with pytest.raises(ValueError):
+                list(iter_sse_events(resp))
 
 
 async def _one(transport, **body) -> object:
