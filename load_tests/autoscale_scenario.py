@@ -261,6 +261,39 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
+def _run_scenario(phases: list[Phase], decode_sequences: int, prefill_clients: int,
+                  decode_clients: int) -> tuple[list[RequestRecord], list[tuple[float, int, int]]]:
+    """The cluster and the autoscaling app, driven through the schedule while the replicas are
+    sampled; the requests' records and the replica samples."""
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    with split_topology(prefill_slots=2, decode_slots=2) as topo:
+        url = f"{topo.url}/{APP}"
+        serve.run(build_app(scenario_args(decode_sequences)), name=APP,
+                  route_prefix=f"/{APP}", blocking=False)
+        wait_ready(url)
+        run_start = time.perf_counter()
+        sampler = ReplicaSampler(run_start)
+        sampler.start()
+        records = asyncio.run(drive(url, phases, run_start, prefill_clients, decode_clients))
+        sampler.stop.set()
+        sampler.join(timeout=10)
+    return records, sampler.samples
+
+
+def _print_summary(summary: dict) -> None:
+    for p in summary["phases"]:
+        print(f"{p['phase']:>14} {p['start_s']:6.0f}-{p['end_s']:<6.0f} "
+              f"prefill max {p['prefill_replicas_max']} (2 after {p['prefill_at_2_after_s']} s,"
+              f" end {p['prefill_replicas_end']})  decode max {p['decode_replicas_max']} "
+              f"(2 after {p['decode_at_2_after_s']} s, end {p['decode_replicas_end']})  "
+              f"{p['requests']} req  long-prompt TTFT p50 {_ms(p['ttft_p50_s'])}  "
+              f"long-output TPOT p50 {_ms(p['tpot_p50_s'])}")
+    print(f"{summary['requests']} requests, {summary['errors']} errors")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -275,35 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", default="docs/benchmarks/issue4-autoscale-scenario.png")
     args = parser.parse_args(argv)
 
-    from ray import serve
-
-    from deployments.builder import build_app
-
     phases = schedule(args.phase_s, args.idle_s)
-    with split_topology(prefill_slots=2, decode_slots=2) as topo:
-        url = f"{topo.url}/{APP}"
-        serve.run(build_app(scenario_args(args.decode_sequences)), name=APP,
-                  route_prefix=f"/{APP}", blocking=False)
-        wait_ready(url)
-        run_start = time.perf_counter()
-        sampler = ReplicaSampler(run_start)
-        sampler.start()
-        records = asyncio.run(drive(url, phases, run_start, args.prefill_clients,
-                                    args.decode_clients))
-        sampler.stop.set()
-        sampler.join(timeout=10)
+    records, samples = _run_scenario(phases, args.decode_sequences, args.prefill_clients,
+                                     args.decode_clients)
     end_s = max(phases[-1].end_s, max((r.finished_at or 0.0) for r in records))
-    rows = timeline(records, sampler.samples, end_s)
+    rows = timeline(records, samples, end_s)
     summary = summarize(rows, phases, records)
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "png")}
-    for p in summary["phases"]:
-        print(f"{p['phase']:>14} {p['start_s']:6.0f}-{p['end_s']:<6.0f} "
-              f"prefill max {p['prefill_replicas_max']} (2 after {p['prefill_at_2_after_s']} s,"
-              f" end {p['prefill_replicas_end']})  decode max {p['decode_replicas_max']} "
-              f"(2 after {p['decode_at_2_after_s']} s, end {p['decode_replicas_end']})  "
-              f"{p['requests']} req  long-prompt TTFT p50 {_ms(p['ttft_p50_s'])}  "
-              f"long-output TPOT p50 {_ms(p['tpot_p50_s'])}")
-    print(f"{summary['requests']} requests, {summary['errors']} errors")
+    _print_summary(summary)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump({"summary": summary, "timeline": rows,

@@ -39,11 +39,12 @@ import torch
 
 from app.config import EngineConfig
 from app.decode import Decoder
+from app.engine_core import EngineCore, apply_thread_setting
 from app.kv_package import serialized_sizes
-from app.local_engine import EngineCore, apply_thread_setting
+from app.messages import PrefillRequest
 from app.model_loader import load_model
 from app.sampling import SamplingParams
-from app.sequence import PrefillRequest, Sequence
+from app.sequence import Sequence
 
 CONTEXT = 64  # prompt tokens of every decode row
 BATCHES = (1, 8, 16)
@@ -140,7 +141,7 @@ class EngineDecode:
         )
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         reqs = [PrefillRequest(f"bench-{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
-        packages = core.make_prefiller().prefill(reqs)
+        packages = core.make_prefiller().make_packages(reqs)
         for pkg in packages:
             seq = Sequence(request_id=pkg.request_id, prompt_token_ids=pkg.prompt_ids,
                            sampling=pkg.sampling)
@@ -223,7 +224,7 @@ def bench_prefill(core: EngineCore, plan: Plan, lengths: tuple[int, ...]) -> lis
         req = PrefillRequest(f"prefill-{n}", tuple(prompt), sampling)
 
         def engine(req=req):
-            prefiller.prefill([req])
+            prefiller.make_packages([req])
 
         def raw(ids=ids):
             with torch.inference_mode():
@@ -262,7 +263,7 @@ def bench_kv_package(core: EngineCore, lengths: tuple[int, ...]) -> list[dict]:
     out = []
     for n in lengths:
         [prompt] = _random_prompts(1, n, core.runner.vocab_size, seed=2000 + n)
-        [pkg] = prefiller.prefill([PrefillRequest(f"kv-{n}", tuple(prompt), sampling)])
+        [pkg] = prefiller.make_packages([PrefillRequest(f"kv-{n}", tuple(prompt), sampling)])
         inband, oob = serialized_sizes(pkg)
         per_token = oob / n
         out.append({
@@ -359,6 +360,43 @@ def report(meta: dict, decode: list[DecodeRow], prefill: list[dict], kv: list[di
     return "\n".join(out)
 
 
+def _meta(config: EngineConfig, plan: Plan, decode: list[DecodeRow], *, quick: bool,
+          load_before: float) -> dict:
+    """The run's settings and machine; the load average is read now (the end of the run)."""
+    return {
+        "model": config.model,
+        "dtype": config.dtype,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "quick": quick,
+        "context_tokens": CONTEXT,
+        "decode_steps_per_side": decode[0].raw_samples if decode else 0,
+        "steps_per_block": plan.steps_per_block,
+        "prefill_runs": plan.prefill_runs,
+        "sampling": "greedy",
+        "loadavg_1min_start_end": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
+def _write_json(path: str, meta: dict, elapsed: float, phases: dict[str, float],
+                decode: list[DecodeRow], prefill: list[dict], kv: list[dict],
+                targets: list[dict]) -> None:
+    doc = {
+        "meta": {**meta, "elapsed_s": round(elapsed, 1),
+                 "phase_s": {k: round(v, 1) for k, v in phases.items()}},
+        "decode": [vars(r) for r in decode],
+        "prefill": prefill,
+        "kv_package": kv,
+        "targets": targets,
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m load_tests.engine_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -388,39 +426,14 @@ def main(argv: list[str] | None = None) -> int:
     kv = bench_kv_package(core, PREFILL_LENS)
     targets = evaluate(decode, kv)
 
-    meta = {
-        "model": config.model,
-        "dtype": config.dtype,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "quick": args.quick,
-        "context_tokens": CONTEXT,
-        "decode_steps_per_side": decode[0].raw_samples if decode else 0,
-        "steps_per_block": plan.steps_per_block,
-        "prefill_runs": plan.prefill_runs,
-        "sampling": "greedy",
-        "loadavg_1min_start_end": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-    }
+    meta = _meta(config, plan, decode, quick=args.quick, load_before=load_before[0])
     print()
     print(report(meta, decode, prefill, kv, targets))
     elapsed = time.perf_counter() - t0
     print(f"\n(total {elapsed:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items())
           + ")")
     if args.json:
-        doc = {
-            "meta": {**meta, "elapsed_s": round(elapsed, 1),
-                     "phase_s": {k: round(v, 1) for k, v in phases.items()}},
-            "decode": [vars(r) for r in decode],
-            "prefill": prefill,
-            "kv_package": kv,
-            "targets": targets,
-        }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-        print(f"wrote {args.json}")
+        _write_json(args.json, meta, elapsed, phases, decode, prefill, kv, targets)
     return 0
 
 

@@ -16,7 +16,9 @@ Run: ``python -m load_tests.gpu_check [--device cuda] [--dtype bfloat16] [--json
    prefill does) and to pageable memory for comparison; host -> device from pageable memory
    (``kv_tensor``, what decode does) and through pinned staging for comparison.
 
-Prints a table; exits 1 when a prompt's greedy tokens differ from ``generate()``.
+Prints a table; exits 1 when a prompt's greedy tokens differ from ``generate()``. The greedy
+equality alone is also a test, ``tests/gpu/test_engine_gpu.py`` (marker ``gpu``, skipped
+without CUDA); the timings are this benchmark's own.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ import torch
 
 from app.config import EngineConfig
 from app.decode import Decoder
+from app.engine_core import EngineCore
 from app.kv_package import KVPackage, serialized_sizes, stage_to_host
-from app.local_engine import EngineCore
+from app.messages import PrefillRequest
 from app.sampling import SamplingParams
-from app.sequence import PrefillRequest, Sequence
+from app.sequence import Sequence
 
 BATCH_SIZES = (1, 8, 32, 64)
 CHAT_PROMPTS = (
@@ -186,7 +189,7 @@ def check_greedy(core: EngineCore, prompts: list[list[int]], max_new_tokens: int
                  eos: frozenset[int]) -> list[GreedyResult]:
     sampling = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     reqs = [PrefillRequest(f"g{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
-    packages = [_ship(p) for p in core.make_prefiller().prefill(reqs)]
+    packages = [_ship(p) for p in core.make_prefiller().make_packages(reqs)]
     alone = [_decode(core, [p], eos)[0] for p in packages]
     batched = _decode(core, packages, eos)
     return [GreedyResult(len(p), _generate(core.model, core.runner.device, p, max_new_tokens,
@@ -200,11 +203,11 @@ def time_steps(core: EngineCore, batch_sizes: list[int], prompt_len: int, decode
     devices = _devices(core)
     prompts = [[rng.randrange(3, runner.vocab_size) for _ in range(prompt_len)]
                for _ in range(max(batch_sizes))]
-    _, [one_kv] = runner.prefill(prompts[:1])  # [layers, 2, kv_heads, prompt_len, head_dim]
+    _, [one_kv] = runner.forward_prefill(prompts[:1])  # [layers, 2, kv_heads, prompt_len, head_dim]
     out = []
     for bsz in batch_sizes:
         batch = prompts[:bsz]
-        prefill_s = _median_s(lambda b=batch: runner.prefill(b), devices, repeats)
+        prefill_s = _median_s(lambda b=batch: runner.forward_prefill(b), devices, repeats)
         out.append(StepTiming("prefill", bsz, bsz * prompt_len, prefill_s * 1000))
 
         warmup = 2
@@ -230,7 +233,7 @@ def measure_kv(core: EngineCore, report: CheckReport, prompt_len: int, repeats: 
     runner = core.runner
     devices = _devices(core)
     prompt = [rng.randrange(3, runner.vocab_size) for _ in range(prompt_len)]
-    _, [kv] = runner.prefill([prompt])  # on runner.kv_device
+    _, [kv] = runner.forward_prefill([prompt])  # on runner.kv_device
 
     def package() -> KVPackage:
         return KVPackage.from_tensor(
@@ -307,6 +310,19 @@ def format_report(report: CheckReport, model_name: str) -> str:
     return "\n".join(lines)
 
 
+def load_greedy_inputs(config: EngineConfig, texts: tuple[str, ...] | list[str]
+                       ) -> tuple[torch.nn.Module, list[list[int]], frozenset[int]]:
+    """The model through the project's loader, the chat prompts of ``texts`` as token ids and
+    the model's EOS ids: what :func:`check_greedy` needs (the CLI and tests/gpu use this)."""
+    from app.chat import PromptBuilder
+    from app.model_loader import load_model, load_tokenizer
+
+    model = load_model(config)
+    prompts = PromptBuilder(load_tokenizer(config))
+    eos = prompts.eos_token_ids(getattr(model, "generation_config", None))
+    return model, [prompts.encode_chat([{"role": "user", "content": t}]) for t in texts], eos
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m load_tests.gpu_check",
                                 description=__doc__.split("\n\n")[0])
@@ -339,14 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                           device=args.device, device_map=args.device_map,
                           num_gpus=args.num_gpus,
                           max_kv_tokens=max(65536, 64 * (args.prompt_len + 64)))
-    from app.chat import PromptBuilder
-    from app.model_loader import load_model, load_tokenizer
-
-    model = load_model(config)
-    prompts = PromptBuilder(load_tokenizer(config))
-    eos = prompts.eos_token_ids(getattr(model, "generation_config", None))
     texts = CHAT_PROMPTS[:2] if args.quick else CHAT_PROMPTS
-    greedy_prompts = [prompts.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    model, greedy_prompts, eos = load_greedy_inputs(config, texts)
     report = run_check(
         model, config, greedy_prompts=greedy_prompts, max_new_tokens=args.max_new_tokens,
         eos_token_ids=eos, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],

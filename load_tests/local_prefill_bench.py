@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -76,57 +78,71 @@ def max_gap_within(streams: list[Stream], start: float, end: float) -> float | N
     return max(gaps) if gaps else None
 
 
+async def _idle_ttfts(client: httpx.AsyncClient, url_of: dict[str, str], lengths: list[int],
+                      reps: int, salts: Iterator[int]) -> dict[str, dict[int, float]]:
+    """Median TTFT per app and prompt length with nothing else running, the apps
+    interleaved."""
+    out: dict[str, dict[int, float]] = {}
+    for n in lengths:
+        ttft: dict[str, list[float]] = {app: [] for app in url_of}
+        for _ in range(reps):
+            for app, url in url_of.items():
+                ttft[app].append((await stream(client, url, prompt_ids(n, next(salts)),
+                                               1)).ttft_s)
+        for app in url_of:
+            out.setdefault(app, {})[n] = statistics.median(ttft[app])
+    return out
+
+
+async def _stalls(client: httpx.AsyncClient, app: str, url: str, lengths: list[int], reps: int,
+                  n_streams: int, salts: Iterator[int], out: dict) -> None:
+    """The stall a new prompt's prefill puts on ``n_streams`` running streams of one app;
+    fills ``out``'s median_gap_s, stall_s and busy_ttft_s for that app."""
+    background: list[Stream] = []
+    stop = asyncio.Event()
+
+    async def keep_streaming(i: int) -> None:
+        while not stop.is_set():
+            rec = Stream(time.perf_counter())
+            background.append(rec)
+            await stream(client, url, prompt_ids(16, 10**6 + i), 400, rec)
+
+    tasks = [asyncio.create_task(keep_streaming(i)) for i in range(n_streams)]
+    await asyncio.sleep(3.0)  # the streams are running
+    t_quiet = time.perf_counter()
+    await asyncio.sleep(2.0)
+    quiet = [b - a for s in background for a, b in
+             zip(s.chunk_times, s.chunk_times[1:], strict=False) if a >= t_quiet]
+    median_gap = statistics.median(quiet)
+    out["median_gap_s"][app] = median_gap
+    for n in lengths:
+        stalls, ttfts = [], []
+        for _ in range(reps):
+            probe = await stream(client, url, prompt_ids(n, next(salts)), 1)
+            # the token that ends a stall arrives after the probe's first token
+            await asyncio.sleep(max(0.5, 4 * median_gap))
+            gap = max_gap_within(background, probe.sent, probe.chunk_times[0])
+            stalls.append(max(0.0, (gap or median_gap) - median_gap))
+            ttfts.append(probe.ttft_s)
+        out["stall_s"].setdefault(app, {})[n] = statistics.median(stalls)
+        out["busy_ttft_s"].setdefault(app, {})[n] = statistics.median(ttfts)
+    stop.set()
+    await asyncio.gather(*tasks)
+
+
 async def measure(url_of: dict[str, str], lengths: list[int], reps: int,
                   n_streams: int) -> dict:
-    salt = 0
+    salts = itertools.count(1)  # every request its own prompt
     out: dict = {"idle_ttft_s": {}, "busy_ttft_s": {}, "stall_s": {}, "median_gap_s": {}}
     async with httpx.AsyncClient(timeout=300) as client:
         for url in url_of.values():  # warm up both paths
             for n in (8, lengths[-1]):
-                await stream(client, url, prompt_ids(n, salt := salt + 1), 2)
+                await stream(client, url, prompt_ids(n, next(salts)), 2)
         # 1. idle TTFT, the two apps interleaved
-        for n in lengths:
-            ttft: dict[str, list[float]] = {app: [] for app in url_of}
-            for _ in range(reps):
-                for app, url in url_of.items():
-                    ttft[app].append((await stream(client, url, prompt_ids(n, salt := salt + 1),
-                                                   1)).ttft_s)
-            for app in url_of:
-                out["idle_ttft_s"].setdefault(app, {})[n] = statistics.median(ttft[app])
+        out["idle_ttft_s"] = await _idle_ttfts(client, url_of, lengths, reps, salts)
         # 2. the stall a new prompt's prefill puts on running streams, app by app
         for app, url in url_of.items():
-            background: list[Stream] = []
-            stop = asyncio.Event()
-
-            async def keep_streaming(i: int, url: str = url,
-                                     background: list[Stream] = background,
-                                     stop: asyncio.Event = stop) -> None:
-                while not stop.is_set():
-                    rec = Stream(time.perf_counter())
-                    background.append(rec)
-                    await stream(client, url, prompt_ids(16, 10**6 + i), 400, rec)
-
-            tasks = [asyncio.create_task(keep_streaming(i)) for i in range(n_streams)]
-            await asyncio.sleep(3.0)  # the streams are running
-            t_quiet = time.perf_counter()
-            await asyncio.sleep(2.0)
-            quiet = [b - a for s in background for a, b in
-                     zip(s.chunk_times, s.chunk_times[1:], strict=False) if a >= t_quiet]
-            median_gap = statistics.median(quiet)
-            out["median_gap_s"][app] = median_gap
-            for n in lengths:
-                stalls, ttfts = [], []
-                for _ in range(reps):
-                    probe = await stream(client, url, prompt_ids(n, salt := salt + 1), 1)
-                    # the token that ends a stall arrives after the probe's first token
-                    await asyncio.sleep(max(0.5, 4 * median_gap))
-                    gap = max_gap_within(background, probe.sent, probe.chunk_times[0])
-                    stalls.append(max(0.0, (gap or median_gap) - median_gap))
-                    ttfts.append(probe.ttft_s)
-                out["stall_s"].setdefault(app, {})[n] = statistics.median(stalls)
-                out["busy_ttft_s"].setdefault(app, {})[n] = statistics.median(ttfts)
-            stop.set()
-            await asyncio.gather(*tasks)
+            await _stalls(client, app, url, lengths, reps, n_streams, salts, out)
     return out
 
 

@@ -23,6 +23,8 @@ import time
 
 import httpx
 
+from load_tests.client import iter_sse_events
+
 
 def _stream_request(url: str, prompt_ids: list[int], max_tokens: int) -> dict[str, float]:
     body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
@@ -31,9 +33,8 @@ def _stream_request(url: str, prompt_ids: list[int], max_tokens: int) -> dict[st
     times = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                times.append(time.perf_counter())
+        for _ in iter_sse_events(r):
+            times.append(time.perf_counter())
     ttft = times[0] - t0
     tpot = (times[-1] - times[0]) / max(1, len(times) - 1)
     return {"ttft_s": ttft, "tpot_s": tpot, "chunks": len(times)}
@@ -42,10 +43,11 @@ def _stream_request(url: str, prompt_ids: list[int], max_tokens: int) -> dict[st
 def _engine_step_s(core, prompt_ids: list[int], steps: int) -> float:
     """Median decode step at batch 1 (the engine alone, same thread count as a replica)."""
     from app.decode import Decoder
+    from app.messages import PrefillRequest
     from app.sampling import SamplingParams
-    from app.sequence import PrefillRequest, Sequence
+    from app.sequence import Sequence
 
-    [pkg] = core.make_prefiller().prefill(
+    [pkg] = core.make_prefiller().make_packages(
         [PrefillRequest("e", tuple(prompt_ids), SamplingParams(max_tokens=steps + 1,
                                                                temperature=0.0,
                                                                ignore_eos=True))])
@@ -62,67 +64,75 @@ def _engine_step_s(core, prompt_ids: list[int], steps: int) -> float:
     return statistics.median(times[1:])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--decode-tokens", type=int, default=48)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+SHORT = list(range(1000, 1064))  # 64-token prompt
+LONG = list(range(1000, 2024))  # 1024-token prompt
 
+
+def _measure_rounds(url: str, core, handle, rounds: int,
+                    decode_tokens: int) -> tuple[list[float], list[float], list[dict]]:
+    """Warm both paths up, then per round: the HTTP TPOT, the engine's decode step and the
+    app's trace of one 1024-token prompt."""
+    _stream_request(url, SHORT, 4)  # warm up both paths
+    _engine_step_s(core, SHORT, 4)
+    http_tpot, engine_step, traces = [], [], []
+    for _ in range(rounds):
+        http_tpot.append(_stream_request(url, SHORT, decode_tokens)["tpot_s"])
+        engine_step.append(_engine_step_s(core, SHORT, decode_tokens))
+        traces.append(handle.trace.remote(
+            {"prompt": LONG, "max_tokens": 1, "temperature": 0}, "completion"
+        ).result(timeout_s=300))
+    return http_tpot, engine_step, traces
+
+
+def _summarize(topo, http_tpot: list[float], engine_step: list[float], traces: list[dict],
+               rounds: int) -> dict:
+    tpot = statistics.median(http_tpot)
+    step = statistics.median(engine_step)
+    ttft = statistics.median(t["ttft_s"] for t in traces)
+    prefill = statistics.median(t["prefill_compute_s"] for t in traces)
+    hop = statistics.median(t["kv_hop_s"] for t in traces)
+    kv_bytes = traces[-1]["kv_bytes"]
+    obj_size = traces[-1]["kv_object_size"]
+    locations = traces[-1]["kv_locations"]
+    return {
+        "http_tpot_ms": tpot * 1000, "engine_step_ms": step * 1000,
+        "tpot_ratio": tpot / step,
+        "ttft_1024_ms": ttft * 1000, "prefill_compute_ms": prefill * 1000,
+        "kv_hop_ms": hop * 1000, "rest_ms": (ttft - prefill - hop) * 1000,
+        "hop_share": hop / ttft,
+        "kv_package_bytes": kv_bytes, "kv_object_bytes": obj_size,
+        "kv_locations": {
+            "prefill_node": topo.prefill_id in locations,
+            "decode_node": topo.decode_id in locations,
+            "head_node": topo.head_id in locations,
+        },
+        "rounds": rounds,
+    }
+
+
+def _run(rounds: int, decode_tokens: int) -> dict:
+    """The cluster, the app and the engine alone side by side; the summary."""
     import torch
     from ray import serve
 
     from app.config import EngineConfig
-    from app.local_engine import EngineCore
+    from app.engine_core import EngineCore
     from deployments.builder import build_app
     from tests.cluster import phase_args, split_topology, wait_ready
 
-    results: dict = {}
     with split_topology(prefill_slots=1, decode_slots=1) as topo:
-        url = topo.url
         serve.run(build_app(phase_args()), name="splitserve", route_prefix="/",
                   blocking=False)
-        wait_ready(url, timeout_s=300)
+        wait_ready(topo.url, timeout_s=300)
         torch.set_num_threads(1)
         core = EngineCore(EngineConfig(num_threads=1))
         handle = serve.get_app_handle("splitserve")
-        short = list(range(1000, 1064))  # 64-token prompt
-        long_ids = list(range(1000, 2024))  # 1024-token prompt
-        _stream_request(url, short, 4)  # warm up both paths
-        _engine_step_s(core, short, 4)
+        measured = _measure_rounds(topo.url, core, handle, rounds, decode_tokens)
+        return _summarize(topo, *measured, rounds)
 
-        http_tpot, engine_step, traces = [], [], []
-        for _ in range(args.rounds):
-            http_tpot.append(_stream_request(url, short, args.decode_tokens)["tpot_s"])
-            engine_step.append(_engine_step_s(core, short, args.decode_tokens))
-            traces.append(handle.trace.remote(
-                {"prompt": long_ids, "max_tokens": 1, "temperature": 0}, "completion"
-            ).result(timeout_s=300))
-        tpot = statistics.median(http_tpot)
-        step = statistics.median(engine_step)
-        ttft = statistics.median(t["ttft_s"] for t in traces)
-        prefill = statistics.median(t["prefill_compute_s"] for t in traces)
-        hop = statistics.median(t["kv_hop_s"] for t in traces)
-        kv_bytes = traces[-1]["kv_bytes"]
-        obj_size = traces[-1]["kv_object_size"]
-        locations = traces[-1]["kv_locations"]
-        results = {
-            "http_tpot_ms": tpot * 1000, "engine_step_ms": step * 1000,
-            "tpot_ratio": tpot / step,
-            "ttft_1024_ms": ttft * 1000, "prefill_compute_ms": prefill * 1000,
-            "kv_hop_ms": hop * 1000, "rest_ms": (ttft - prefill - hop) * 1000,
-            "hop_share": hop / ttft,
-            "kv_package_bytes": kv_bytes, "kv_object_bytes": obj_size,
-            "kv_locations": {
-                "prefill_node": topo.prefill_id in locations,
-                "decode_node": topo.decode_id in locations,
-                "head_node": topo.head_id in locations,
-            },
-            "rounds": args.rounds,
-        }
 
+def _print_results(r: dict) -> None:
     ok = lambda cond: "PASS" if cond else "FAIL"  # noqa: E731
-    r = results
     print("\nFull split path (3-node cluster, 1 torch thread per phase) vs engine alone")
     print(f"  TPOT over HTTP streaming, concurrency 1 : {r['http_tpot_ms']:8.1f} ms")
     print(f"  engine decode step, batch 1             : {r['engine_step_ms']:8.1f} ms")
@@ -138,6 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  object-store object bytes               : {r['kv_object_bytes']:>12,}  "
           f"(+{r['kv_object_bytes'] - r['kv_package_bytes']} B metadata)")
     print(f"  object locations                        : {r['kv_locations']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--decode-tokens", type=int, default=48)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    results = _run(args.rounds, args.decode_tokens)
+    _print_results(results)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)
