@@ -47,7 +47,7 @@ def _settings(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
 
 async def _generate(args: argparse.Namespace, config: EngineConfig,
                     sampling: SamplingParams) -> dict:
-    from app.local_engine import LocalEngine
+    from app.engine_core import LocalEngine
 
     engine = LocalEngine(config)
     if args.chat:
@@ -61,7 +61,7 @@ async def _generate(args: argparse.Namespace, config: EngineConfig,
     return {
         "text": out.text,
         "token_ids": out.token_ids,
-        "finish_reason": out.finish_reason,
+        "finish_reason": None if out.finish_reason is None else out.finish_reason.value,
         "prompt_token_ids": out.prompt_token_ids,
         "usage": out.usage,
         "model": args.model,

@@ -21,24 +21,12 @@ from dataclasses import dataclass
 
 from app.errors import QueueFullError
 from app.kv_package import KVPackage
+from app.messages import FinishReason, TokenEvent
 from app.model_runner import BatchKV, ModelRunner
 from app.sampling import sample_tokens
-from app.sequence import FinishReason, Sequence, SequenceStatus
+from app.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """One output token of a sequence; ``finish_reason`` is set on its last event."""
-
-    request_id: str
-    token_id: int | None  # None only on an event that ends a stream without a token
-    index: int  # output position of this token in the whole stream (0 = the first token)
-    finish_reason: str | None = None
-    error: str | None = None
-    # set on a sequence's first decode-step token only: seconds it waited to join the batch
-    decode_queue_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +235,7 @@ class DecodeLoop:
             max_model_len=self.decoder.runner.max_model_len,
         )
         if seq.is_finished:
-            yield TokenEvent(rid, package.first_token, seq.output_offset, seq.finish_reason.value)  # type: ignore[union-attr]
+            yield TokenEvent(rid, package.first_token, seq.output_offset, seq.finish_reason)
             return
         if self.num_waiting >= self.max_waiting:
             raise QueueFullError(
@@ -305,7 +293,7 @@ class DecodeLoop:
                 logger.exception("decode step failed")
                 for seq in self.decoder.fail_all():
                     self._deliver(TokenEvent(seq.request_id, None, seq.next_step,
-                                             FinishReason.ERROR.value, error=str(exc)))
+                                             FinishReason.ERROR, error=str(exc)))
                 continue
             finally:
                 self.step_started_at = None
@@ -316,10 +304,10 @@ class DecodeLoop:
             for seq in touched:
                 if seq.finish_reason is FinishReason.ERROR:
                     self._deliver(TokenEvent(seq.request_id, None, seq.next_step,
-                                             FinishReason.ERROR.value,
+                                             FinishReason.ERROR,
                                              error="sequence does not fit the KV budget"))
                     continue
-                reason = seq.finish_reason.value if seq.is_finished else None  # type: ignore[union-attr]
+                reason = seq.finish_reason if seq.is_finished else None
                 # the first token a decode step made (the prefill made the one before it)
                 queued = seq.decode_queue_s if seq.num_output_tokens == 2 else None
                 self._deliver(TokenEvent(seq.request_id, seq.last_token, seq.next_step - 1,
@@ -336,7 +324,7 @@ class DecodeLoop:
         (which may be stuck in a step). Used when the replica declares itself unhealthy."""
         queues = list(self._queues.items())
         for rid, queue in queues:
-            queue.put_nowait(TokenEvent(rid, None, -1, FinishReason.ERROR.value, error=message))
+            queue.put_nowait(TokenEvent(rid, None, -1, FinishReason.ERROR, error=message))
         return len(queues)
 
     def stalled_s(self) -> float:

@@ -17,12 +17,12 @@ from app.chat import PromptBuilder
 from app.config import EngineConfig
 from app.decode import DecodeLoop, Decoder
 from app.kv_package import KVPackage
+from app.messages import PrefillRequest
 from app.model_loader import fingerprint, load_model, load_tokenizer
 from app.model_runner import ModelRunner
 from app.output import GenerationOutput, StreamDelta, text_deltas
 from app.prefill import Prefiller
 from app.sampling import SamplingParams
-from app.sequence import PrefillRequest
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -122,12 +122,12 @@ class LocalEngine:
         self.prefiller.validate(req)
         return req
 
-    async def prefill(self, req: PrefillRequest) -> KVPackage:
-        [package] = await self.core.run(self.prefiller.prefill, [req])
+    async def prefill_package(self, req: PrefillRequest) -> KVPackage:
+        [package] = await self.core.run(self.prefiller.make_packages, [req])
         return package
 
     async def stream(self, req: PrefillRequest) -> AsyncIterator[StreamDelta]:
-        package = await self.prefill(req)
+        package = await self.prefill_package(req)
         async for delta in text_deltas(self.decode_loop.generate(package), self.tokenizer,
                                        req.sampling):
             yield delta

@@ -190,6 +190,40 @@ def load_tokenizer(config: EngineConfig):  # -> PreTrainedTokenizerBase
         raise ModelLoadError(f"could not load the tokenizer of {config.model!r}: {exc}") from exc
 
 
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What serving needs to know of a model, derived from its config in one place: the
+    ingress validates prompts with it, the model runner sizes its KV with it."""
+
+    max_model_len: int  # the model's context, capped by EngineConfig.max_model_len
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, max_model_len: int | None) -> ModelShape:
+        model_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+        num_heads = hf_config.num_attention_heads
+        return cls(
+            max_model_len=min(model_len, max_model_len or model_len),
+            vocab_size=int(hf_config.vocab_size),
+            num_layers=int(hf_config.num_hidden_layers),
+            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
+            head_dim=int(getattr(hf_config, "head_dim", None)
+                         or hf_config.hidden_size // num_heads),
+        )
+
+
+def read_model_shape(config: EngineConfig) -> ModelShape:
+    """The model's shape from its config alone (no weights: what the ingress loads)."""
+    from transformers import AutoConfig
+
+    where = local_model_dir(resolve_model(config.model), config.resolved_cache_dir)
+    hf_config = AutoConfig.from_pretrained(where, trust_remote_code=config.trust_remote_code)
+    return ModelShape.from_hf_config(hf_config, config.max_model_len)
+
+
 # Share of each GPU's memory that a device_map may fill with weights; the rest is left for
 # the KV buffer, activations and the CUDA context. Balanced maps use far less per GPU.
 _WEIGHTS_MEMORY_FRACTION = 0.9

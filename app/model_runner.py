@@ -30,7 +30,7 @@ from transformers.masking_utils import sdpa_mask
 
 from app.config import EngineConfig, dtype_name
 from app.kv_package import KVLayout
-from app.model_loader import check_architecture
+from app.model_loader import ModelShape, check_architecture
 
 # KV positions per row are reserved in steps of this many tokens: a power-of-two rounding
 # nearly doubled a buffer (and the stall of growing it) for a reservation just past 2^k.
@@ -226,7 +226,8 @@ class ModelRunner:
         self.rotary_emb = inner.rotary_emb
         self.lm_head = model.lm_head
         cfg = model.config
-        self.vocab_size: int = cfg.vocab_size
+        self.shape = ModelShape.from_hf_config(cfg, config.max_model_len)
+        self.vocab_size = self.shape.vocab_size
         self.device = _module_device(self.embed_tokens)  # token ids go here
         self.layer_devices = [_module_device(layer) for layer in self.layers]
         self.spans = layer_spans(self.layer_devices)
@@ -238,15 +239,13 @@ class ModelRunner:
                                  self._norm_device, *self.layer_devices}) > 1
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = config.torch_kv_dtype
-        num_heads = cfg.num_attention_heads
         self.layout = KVLayout(
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+            num_layers=self.shape.num_layers,
+            num_kv_heads=self.shape.num_kv_heads,
+            head_dim=self.shape.head_dim,
             kv_dtype=dtype_name(self.kv_dtype),
         )
-        model_len = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.max_model_len = min(model_len, config.max_model_len or model_len)
+        self.max_model_len = self.shape.max_model_len
         # transformers renamed the layers' cache argument; pass it under whichever name it has.
         params = inspect.signature(self.layers[0].forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -294,7 +293,7 @@ class ModelRunner:
         return self.lm_head(self.norm(hidden)).float()
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward_prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run prompts of any lengths as one right-padded batch.
 
         Returns logits at each prompt's last token [B, V] (float32) and, per prompt, its KV

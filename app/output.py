@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from app.decode import TokenEvent
 from app.detokenizer import IncrementalDetokenizer
 from app.errors import EngineError
+from app.messages import FinishReason, TokenEvent
 from app.sampling import SamplingParams
 
 
@@ -24,7 +24,7 @@ class StreamDelta:
 
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(slots=True)
@@ -33,7 +33,7 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
     @property
     def usage(self) -> dict[str, int]:
@@ -53,7 +53,7 @@ async def text_deltas(
             ids = [] if ev.token_id is None else [ev.token_id]
             text = detok.add(ev.token_id) if ev.token_id is not None else ""
             if detok.stopped:
-                yield StreamDelta(text, ids, "stop")
+                yield StreamDelta(text, ids, FinishReason.STOP)
                 return
             if ev.finish_reason is not None:
                 yield StreamDelta(text + detok.finish(), ids, ev.finish_reason)

@@ -6,9 +6,10 @@ import time
 from collections.abc import Iterator
 
 from app.kv_package import KVPackage
+from app.messages import PrefillRequest
 from app.model_runner import ModelRunner
 from app.sampling import sample_tokens
-from app.sequence import PrefillRequest, validate_prompt
+from app.sequence import validate_prompt
 
 
 def plan_batches(
@@ -49,7 +50,7 @@ class Prefiller:
             vocab_size=self.runner.vocab_size,
         )
 
-    def prefill(self, requests: list[PrefillRequest]) -> list[KVPackage]:
+    def make_packages(self, requests: list[PrefillRequest]) -> list[KVPackage]:
         """One KV package per request, in the order given. Raises on an invalid request
         before any compute, so a bad prompt never costs the others a forward pass."""
         for req in requests:
@@ -58,14 +59,14 @@ class Prefiller:
         cfg = self.runner.config
         by_id: dict[str, KVPackage] = {}
         for batch in plan_batches(requests, cfg.prefill_token_budget, cfg.prefill_max_batch_size):
-            for pkg in self._prefill_batch(batch):
+            for pkg in self._package_batch(batch):
                 by_id[pkg.request_id] = pkg
         return [by_id[r.request_id] for r in requests]
 
-    def _prefill_batch(self, batch: list[PrefillRequest]) -> list[KVPackage]:
+    def _package_batch(self, batch: list[PrefillRequest]) -> list[KVPackage]:
         start = time.perf_counter()
         prompts = [list(r.prompt_token_ids) for r in batch]
-        logits, kvs = self.runner.prefill(prompts)  # [B, V], per request [L, 2, kvh, n, hd]
+        logits, kvs = self.runner.forward_prefill(prompts)  # [B, V], per request [L, 2, kvh, n, hd]
         firsts = sample_tokens(
             logits, [r.sampling for r in batch], [r.output_offset for r in batch],
             history=prompts

@@ -8,12 +8,14 @@ with that value.
 
 from __future__ import annotations
 
+import enum
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from app.messages import FinishReason
 from app.sampling import SamplingParams
 
 MAX_STOP = 16
@@ -159,6 +161,132 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
+# ---- endpoints --------------------------------------------------------------------------
+
+
+class Endpoint(str, enum.Enum):
+    """The two generation routes; everything that differs between them hangs off this."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+    @property
+    def request_model(self) -> type[ChatCompletionRequest] | type[CompletionRequest]:
+        return ChatCompletionRequest if self is Endpoint.CHAT else CompletionRequest
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field a bad prompt is reported against."""
+        return "messages" if self is Endpoint.CHAT else "prompt"
+
+    @property
+    def id_prefix(self) -> str:
+        return "chatcmpl" if self is Endpoint.CHAT else "cmpl"
+
+    @property
+    def object_name(self) -> str:
+        return "chat.completion" if self is Endpoint.CHAT else "text_completion"
+
+    @property
+    def chunk_object_name(self) -> str:
+        return "chat.completion.chunk" if self is Endpoint.CHAT else "text_completion"
+
+
+# ---- response bodies ----------------------------------------------------------------------
+# Typed so that FastAPI documents them in /openapi.json; built with plain values.
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason | None
+    logprobs: None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole answer: ``chat.completion`` (chat) or ``text_completion`` (completions)."""
+
+    id: str
+    object: Literal["chat.completion", "text_completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice] | list[CompletionChoice] = Field(..., min_length=1)
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: FinishReason | None
+    logprobs: None = None
+
+
+class StreamChunk(BaseModel):
+    """One SSE event of a stream; the last one carries only ``usage`` when it was asked for
+    (``stream_options.include_usage``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk", "text_completion"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice] | list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "splitserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, for every 4xx and 5xx."""
+
+    error: ErrorDetail
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -167,14 +295,7 @@ def now() -> int:
     return int(time.time())
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
 def error_body(message: str, err_type: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    return ErrorResponse(error=ErrorDetail(message=message, type=err_type, param=param,
+                                           code=code)).model_dump()

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from app.errors import ContextLengthError, InvalidRequestError
+from app.messages import FinishReason
 from app.sampling import SamplingParams
 
 
@@ -13,29 +14,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # admitted to the decoder's queue, KV not yet in the batch
     RUNNING = "running"  # holds a row of the batch KV buffer
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the model context
-    CANCELLED = "cancelled"  # the client went away or the caller cancelled
-    ERROR = "error"  # the engine failed this sequence
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillRequest:
-    """A tokenized prompt with its sampling settings (seed already concrete)."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    # Output tokens a client already received before this prompt was (re)built: a resumed
-    # stream re-prefills prompt + those tokens, and sampling steps continue from here.
-    output_offset: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
 
 def validate_prompt(

@@ -19,10 +19,9 @@ from typing import Any
 
 from ray import serve
 
-from app.decode import TokenEvent
-from app.sequence import PrefillRequest
+from app.messages import PrefillRequest, StreamStart, TokenEvent
 from deployments.metrics import PrefillMetrics
-from deployments.replica import DecodeReplica, PrefillBatcher, StreamStart
+from deployments.replica import DecodeReplica, PrefillBatcher
 
 
 @serve.deployment(name="ColocatedServer")
@@ -35,7 +34,7 @@ class ColocatedServer(DecodeReplica):
     async def generate_local(self, req: PrefillRequest) -> AsyncIterator[StreamStart | TokenEvent]:
         """Prefill ``req`` here (batched with prompts that arrive together), then stream its
         tokens from this replica's running batch: a :class:`StreamStart`, then tokens."""
-        package = await self.batcher.prefill(req)
+        package = await self.batcher.enqueue(req)
         yield StreamStart(self.node_id, package.kv_nbytes, time.time() - package.created_at, 0.0,
                           package.prefill_s, local_prefill=True, replica_id=self.replica_id,
                           prefill_done_at=package.created_at)

@@ -10,9 +10,9 @@ import ray
 from ray import serve
 
 from app.kv_package import KVPackage
-from app.sequence import PrefillRequest
+from app.messages import PrefillRequest, StreamStart
 from deployments import autoscaling
-from deployments.replica import DecodeReplica, StreamStart
+from deployments.replica import DecodeReplica
 
 
 @serve.deployment(name="DecodeServer")
@@ -57,7 +57,7 @@ class DecodeServer(DecodeReplica):
         self.prefiller.validate(req)
         self.local_prefilling += 1
         try:
-            [package] = await self.core.run(self.prefiller.prefill, [req])
+            [package] = await self.core.run(self.prefiller.make_packages, [req])
         finally:
             self.local_prefilling -= 1
         self.local_prefills += 1

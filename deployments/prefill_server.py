@@ -11,9 +11,9 @@ from typing import Any
 import ray
 from ray import serve
 
+from app.engine_core import EngineCore
 from app.kv_package import KVPackage
-from app.local_engine import EngineCore
-from app.sequence import PrefillRequest
+from app.messages import PrefillRequest
 from deployments import autoscaling
 from deployments.args import AppArgs
 from deployments.metrics import PrefillMetrics
@@ -31,12 +31,12 @@ class PrefillServer:
                                       PrefillMetrics(), on_batch=self.throughput.add)
         self.node_id = ray.get_runtime_context().get_node_id()
 
-    async def prefill(self, req: PrefillRequest) -> KVPackage:
+    async def make_kv_package(self, req: PrefillRequest) -> KVPackage:
         """Prefill one prompt (batched with others that arrive together)."""
         key = object()
         self.latency.start(key)
         try:
-            return await self.batcher.prefill(req)
+            return await self.batcher.enqueue(req)
         finally:
             self.latency.finish(key)
 

@@ -7,7 +7,6 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -15,11 +14,11 @@ from ray import serve
 
 from app.chat import PromptBuilder
 from app.config import EngineConfig
+from app.engine_core import EngineCore
 from app.errors import ReplicaUnhealthyError
 from app.kv_package import KVPackage
-from app.local_engine import EngineCore
+from app.messages import PrefillRequest
 from app.model_loader import load_tokenizer
-from app.sequence import PrefillRequest
 from deployments.args import AppArgs
 from deployments.metrics import DecodeMetrics, PrefillMetrics
 
@@ -52,20 +51,6 @@ async def inject_fault(args: AppArgs, core: EngineCore, kind: str, seconds: floa
     raise ValueError(f"unknown fault {kind!r}; expected 'stall' or 'crash'")
 
 
-@dataclass(frozen=True, slots=True)
-class StreamStart:
-    """First item of every decode stream: where and how the KV package arrived."""
-
-    node_id: str
-    kv_bytes: int
-    kv_hop_s: float  # prefill returned -> this replica holds the package
-    fetch_s: float  # time spent resolving the ObjectRef here
-    prefill_s: float  # compute time of the prefill batch that made the package
-    local_prefill: bool = False  # prefilled by this decode replica (no KV hop)
-    replica_id: str = ""  # the decode replica serving the stream
-    prefill_done_at: float = 0.0  # time.time() when the prefill returned the package
-
-
 def _batch_tokens(items: list[tuple[PrefillRequest, int]]) -> int:
     return sum(weight for _, weight in items)
 
@@ -79,8 +64,8 @@ class PrefillBatcher:
         self.core = core
         self.prefiller = core.make_prefiller()
         self.token_budget = core.config.prefill_token_budget
-        self._prefill_batch.set_max_batch_size(self.token_budget)
-        self._prefill_batch.set_batch_wait_timeout_s(wait_s)
+        self._run_batch.set_max_batch_size(self.token_budget)
+        self._run_batch.set_batch_wait_timeout_s(wait_s)
         self.metrics = metrics
         self.on_batch = on_batch  # (requests, prompt tokens, seconds) of each computed batch
         self.waiting_tokens = 0
@@ -90,13 +75,13 @@ class PrefillBatcher:
         self.tokens_total = 0  # prompt tokens computed
         self.compute_s_total = 0.0
 
-    async def prefill(self, req: PrefillRequest) -> KVPackage:
+    async def enqueue(self, req: PrefillRequest) -> KVPackage:
         """Prefill one prompt (batched with others that arrive together)."""
         self.prefiller.validate(req)
         self._track(req.num_tokens, +1)
         try:
             # a prompt longer than the budget weighs the whole budget and so runs alone
-            return await self._prefill_batch((req, min(req.num_tokens, self.token_budget)))
+            return await self._run_batch((req, min(req.num_tokens, self.token_budget)))
         finally:
             self._track(req.num_tokens, -1)
             self.completed += 1
@@ -108,13 +93,13 @@ class PrefillBatcher:
         self.metrics.waiting_requests.set(self.waiting_requests)
 
     @serve.batch(max_batch_size=4096, batch_wait_timeout_s=0.005, batch_size_fn=_batch_tokens)
-    async def _prefill_batch(
+    async def _run_batch(
         self, items: list[tuple[PrefillRequest, int]]
     ) -> list[KVPackage]:
         requests = [req for req, _ in items]
         start = time.perf_counter()
         # the engine's thread, which also runs any decode step of this process
-        packages = await self.core.run(self.prefiller.prefill, requests)
+        packages = await self.core.run(self.prefiller.make_packages, requests)
         elapsed = time.perf_counter() - start
         tokens = sum(r.num_tokens for r in requests)
         self.requests_total += len(requests)

@@ -75,7 +75,7 @@ def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = No
     them (``EngineCore.thread``); ``worker_thread=False`` times them on the calling thread.
     """
     from app.config import DEFAULT_MODEL, EngineConfig
-    from app.local_engine import EngineCore
+    from app.engine_core import EngineCore
 
     core = EngineCore(EngineConfig(model=model or DEFAULT_MODEL, num_threads=num_threads))
     if not worker_thread:
@@ -88,7 +88,7 @@ def _time_passes(core: Any, num_threads: int, repeats: int, quick: bool) -> dict
     import torch
 
     from app.sampling import SamplingParams
-    from app.sequence import PrefillRequest
+    from app.messages import PrefillRequest
 
     cfg = core.config
     torch.set_num_threads(num_threads)
@@ -103,11 +103,11 @@ def _time_passes(core: Any, num_threads: int, repeats: int, quick: bool) -> dict
 
     prefill_points = PREFILL_POINTS[::2] if quick else PREFILL_POINTS
     decode_points = DECODE_POINTS[::2] if quick else DECODE_POINTS
-    prefiller.prefill(requests(1, 32))  # first-call costs (thread pools, allocations)
+    prefiller.make_packages(requests(1, 32))  # first-call costs (thread pools, allocations)
     prefill = []
     for rows, n in prefill_points:
         reqs = requests(rows, n)
-        t = _median_time(lambda reqs=reqs: prefiller.prefill(reqs), repeats)
+        t = _median_time(lambda reqs=reqs: prefiller.make_packages(reqs), repeats)
         prefill.append({"rows": rows, "longest": n, "seconds": t})
 
     decode = []

@@ -119,7 +119,7 @@ def local_greedy(model, tokenizer, requests: list[tuple[Any, dict[str, Any]]]) -
     import asyncio
 
     from app.config import EngineConfig
-    from app.local_engine import LocalEngine
+    from app.engine_core import LocalEngine
 
     engine = LocalEngine(EngineConfig(), model=model, tokenizer=tokenizer)
 

@@ -27,9 +27,9 @@ import pytest
 from ray import serve
 
 from app.config import EngineConfig
-from app.local_engine import LocalEngine
+from app.engine_core import LocalEngine
 from app.sampling import SamplingParams
-from app.sequence import PrefillRequest
+from app.messages import PrefillRequest
 from tests.integration.conftest import APP, wait_ready
 from tests.integration.conftest import app_args as split_app_args
 
@@ -385,7 +385,7 @@ def reference(smollm_model, smollm_tokenizer) -> list[str]:
 
 
 def test_greedy_tokens_identical_prefilled_locally_or_remotely(autoscale_app, reference):
-    from deployments.replica import StreamStart
+    from app.messages import StreamStart
 
     url, _ = autoscale_app
     prefill = serve.get_deployment_handle("PrefillServer", AS_APP)
@@ -399,7 +399,7 @@ def test_greedy_tokens_identical_prefilled_locally_or_remotely(autoscale_app, re
     for n in (5, LOCAL_THRESHOLD - 1, 200):
         req = PrefillRequest(f"same-{n}", tuple(_prompt_ids(n, n)),
                              SamplingParams(max_tokens=20, temperature=0.0))
-        ref = prefill.prefill.remote(req)._to_object_ref_sync()
+        ref = prefill.make_kv_package.remote(req)._to_object_ref_sync()
         remote, s_remote = tokens(decode.options(stream=True).generate.remote([ref]))
         local, s_local = tokens(decode.options(stream=True).generate_local.remote(req))
         assert s_local.local_prefill and not s_remote.local_prefill

@@ -20,7 +20,7 @@ from ray import serve
 from ray.util.state import list_actors
 
 from app.config import EngineConfig
-from app.local_engine import LocalEngine
+from app.engine_core import LocalEngine
 from app.sampling import SamplingParams
 from tests.integration.conftest import app_args, exclusive_app
 

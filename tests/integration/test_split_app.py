@@ -172,15 +172,15 @@ def test_kv_object_survives_its_prefill_replica(split_app, reference):
     lose it, and decode still reads it (the ingress relies on this for every request)."""
     from ray.util.state import list_actors
 
-    from app.sequence import PrefillRequest
-    from deployments.replica import StreamStart
+    from app.messages import PrefillRequest
+    from app.messages import StreamStart
 
     engine_prompt = reference[0].prompt_token_ids
     prefill = serve.get_deployment_handle("PrefillServer", APP)
     decode = serve.get_deployment_handle("DecodeServer", APP)
     req = PrefillRequest("survivor", tuple(engine_prompt),
                          SamplingParams(max_tokens=24, temperature=0.0))
-    ref = prefill.prefill.remote(req)._to_object_ref_sync()
+    ref = prefill.make_kv_package.remote(req)._to_object_ref_sync()
     ray.wait([ref], fetch_local=False, timeout=120)
     [actor] = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
                if a.class_name.endswith(f"{APP}:PrefillServer")]

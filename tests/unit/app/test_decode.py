@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from app.config import EngineConfig
+from app.engine_core import EngineCore
 from app.errors import QueueFullError
-from app.local_engine import EngineCore
+from app.messages import PrefillRequest
 from app.sampling import SamplingParams
-from app.sequence import PrefillRequest
 from tests.conftest import hf_greedy
 
 EOS = 2
@@ -41,7 +41,7 @@ async def test_greedy_batch_matches_generate_with_staggered_joins(tiny_model):
         PrefillRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=m, temperature=0.0))
         for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
     ]
-    packages = prefiller.prefill(reqs)
+    packages = prefiller.make_packages(reqs)
 
     async def join_later(i):
         await asyncio.sleep(0.01 * i)  # join at different steps
@@ -58,7 +58,7 @@ async def test_decoder_bounded_by_batch_size_and_waits(tiny_model):
     core = _core(tiny_model, max_batch_size=2)
     loop = core.make_decode_loop(frozenset())
     prompts = _prompts(5, seed=3)
-    packages = core.make_prefiller().prefill(
+    packages = core.make_prefiller().make_packages(
         [PrefillRequest(f"b{i}", tuple(p), SamplingParams(max_tokens=6, temperature=0.0))
          for i, p in enumerate(prompts)]
     )
@@ -84,7 +84,7 @@ async def test_kv_budget_limits_admissions(tiny_model):
     core = _core(tiny_model, max_batch_size=8, max_kv_tokens=256)
     loop = core.make_decode_loop(frozenset())
     prompts = _prompts(4, seed=5, lo=10, hi=20)
-    packages = core.make_prefiller().prefill(
+    packages = core.make_prefiller().make_packages(
         [PrefillRequest(f"k{i}", tuple(p), SamplingParams(max_tokens=20, temperature=0.0))
          for i, p in enumerate(prompts)]
     )
@@ -108,7 +108,7 @@ async def test_waiting_queue_full_raises(tiny_model):
     core = _core(tiny_model, max_batch_size=1, max_waiting=1)
     loop = core.make_decode_loop(frozenset())
     prompts = _prompts(3, seed=7)
-    packages = core.make_prefiller().prefill(
+    packages = core.make_prefiller().make_packages(
         [PrefillRequest(f"q{i}", tuple(p), SamplingParams(max_tokens=30, temperature=0.0))
          for i, p in enumerate(prompts)]
     )
@@ -123,7 +123,7 @@ async def test_waiting_queue_full_raises(tiny_model):
 async def test_cancel_frees_row_next_step(tiny_model):
     core = _core(tiny_model, max_batch_size=4)
     loop = core.make_decode_loop(frozenset())
-    [a, b] = core.make_prefiller().prefill(
+    [a, b] = core.make_prefiller().make_packages(
         [PrefillRequest(f"c{i}", tuple(p), SamplingParams(max_tokens=200, temperature=0.0))
          for i, p in enumerate(_prompts(2, seed=9))]
     )
@@ -150,7 +150,7 @@ async def test_eos_and_stop_token_ids_finish(tiny_model):
     ref = hf_greedy(tiny_model, prompt, 12)
     stop_tok = ref[4]
     loop = core.make_decode_loop(frozenset())
-    [pkg] = core.make_prefiller().prefill(
+    [pkg] = core.make_prefiller().make_packages(
         [PrefillRequest("s", tuple(prompt),
                         SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_tok,)))]
     )
@@ -161,7 +161,7 @@ async def test_eos_and_stop_token_ids_finish(tiny_model):
     assert events[-1].finish_reason == "stop"
     # the same token as EOS, unless ignore_eos
     loop2 = core.make_decode_loop(frozenset({stop_tok}))
-    [pkg2] = core.make_prefiller().prefill(
+    [pkg2] = core.make_prefiller().make_packages(
         [PrefillRequest("e", tuple(prompt),
                         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
     )
@@ -178,7 +178,7 @@ async def test_seeded_sampling_independent_of_batch(tiny_model):
 
     async def run(batch_prompts):
         loop = core.make_decode_loop(frozenset())
-        pkgs = core.make_prefiller().prefill(
+        pkgs = core.make_prefiller().make_packages(
             [PrefillRequest(f"x{i}", tuple(p), sp if i == 0 else sp.__class__(
                 max_tokens=12, temperature=1.0, seed=i)) for i, p in enumerate(batch_prompts)]
         )
@@ -191,7 +191,8 @@ async def test_seeded_sampling_independent_of_batch(tiny_model):
     assert alone == crowded
     other_seed = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=99)
     loop = core.make_decode_loop(frozenset())
-    [pkg] = core.make_prefiller().prefill([PrefillRequest("y", tuple(prompts[0]), other_seed)])
+    [pkg] = core.make_prefiller().make_packages(
+        [PrefillRequest("y", tuple(prompts[0]), other_seed)])
     different = await _collect(loop, pkg)
     await loop.close()
     assert different != alone
@@ -205,7 +206,7 @@ def test_decode_step_rows_stay_packed(tiny_model):
     core = _core(tiny_model)
     dec = Decoder(core.runner, eos_token_ids=frozenset(), max_batch_size=4, max_kv_tokens=4096)
     prompts = _prompts(3, seed=17)
-    pkgs = core.make_prefiller().prefill(
+    pkgs = core.make_prefiller().make_packages(
         [PrefillRequest(f"d{i}", tuple(p), SamplingParams(max_tokens=m, temperature=0.0))
          for i, (p, m) in enumerate(zip(prompts, (2, 9, 9), strict=True))]
     )
@@ -232,12 +233,12 @@ async def test_resumed_stream_continues_exactly(tiny_model, temperature):
     prompt = _prompts(1, seed=21)[0]
     sp = SamplingParams(max_tokens=16, temperature=temperature, seed=77)
     loop = core.make_decode_loop(frozenset())
-    [pkg] = core.make_prefiller().prefill([PrefillRequest("full", tuple(prompt), sp)])
+    [pkg] = core.make_prefiller().make_packages([PrefillRequest("full", tuple(prompt), sp)])
     full = [(e.index, e.token_id) async for e in loop.generate(pkg)]
     cut = 6
     sent = [t for _, t in full[:cut]]
     resumed_sp = SamplingParams(max_tokens=16 - cut, temperature=temperature, seed=77)
-    [pkg2] = core.make_prefiller().prefill(
+    [pkg2] = core.make_prefiller().make_packages(
         [PrefillRequest("resumed", tuple(prompt + sent), resumed_sp, output_offset=cut)])
     rest = [(e.index, e.token_id) async for e in loop.generate(pkg2)]
     await loop.close()
@@ -250,7 +251,7 @@ async def test_fail_streams_ends_open_streams_at_once(tiny_model):
     without waiting for the stuck step."""
     core = _core(tiny_model)
     loop = core.make_decode_loop(frozenset())
-    [pkg] = core.make_prefiller().prefill(
+    [pkg] = core.make_prefiller().make_packages(
         [PrefillRequest("w", tuple(_prompts(1, seed=23)[0]),
                         SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))])
     gen = loop.generate(pkg)
@@ -272,7 +273,7 @@ async def test_first_decode_step_event_reports_queue_time(tiny_model):
     batch full, the sequence that had to wait reports a longer wait than one that joined."""
     core = _core(tiny_model, max_batch_size=1)
     loop = core.make_decode_loop(frozenset())
-    packages = core.make_prefiller().prefill(
+    packages = core.make_prefiller().make_packages(
         [PrefillRequest(f"q{i}", tuple(p), SamplingParams(max_tokens=6, temperature=0.0))
          for i, p in enumerate(_prompts(2, seed=5))])
 

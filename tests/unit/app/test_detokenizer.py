@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from app.chat import PromptBuilder, normalize_messages
-from app.decode import TokenEvent
 from app.detokenizer import IncrementalDetokenizer
 from app.errors import InvalidRequestError
+from app.messages import FinishReason, TokenEvent
 from app.output import GenerationFailed, GenerationOutput, text_deltas
 from app.sampling import SamplingParams
 
@@ -150,7 +150,7 @@ class _Source:
             for i, t in enumerate(self.ids):
                 self.pulled += 1
                 if i == self.error_at:
-                    yield TokenEvent("r", None, i, "error", error="boom")
+                    yield TokenEvent("r", None, i, FinishReason.ERROR, error="boom")
                     return
                 last = i == len(self.ids) - 1
                 yield TokenEvent("r", t, i, self.finish if last else None)

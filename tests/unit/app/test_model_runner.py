@@ -11,10 +11,10 @@ import random
 import torch
 
 from app.config import EngineConfig
-from app.local_engine import EngineCore
+from app.engine_core import EngineCore
+from app.messages import PrefillRequest
 from app.model_runner import LayerSpan, layer_spans
 from app.sampling import SamplingParams
-from app.sequence import PrefillRequest
 from tests.conftest import hf_greedy, make_tiny_model
 
 CPU = torch.device("cpu")
@@ -30,7 +30,7 @@ async def _decode_all(core: EngineCore, prompts: list[list[int]], max_tokens: li
     """Prefill all prompts, then decode them together in one batch (greedy)."""
     reqs = [PrefillRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=m, temperature=0.0))
             for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
-    packages = core.make_prefiller().prefill(reqs)
+    packages = core.make_prefiller().make_packages(reqs)
     if via_pickle:  # as Ray ships a package: pickle protocol 5, buffers out of band
         shipped = []
         for pkg in packages:
@@ -86,7 +86,7 @@ async def test_kv_split_over_spans_decodes_like_generate(tiny_model):
     kv = runner.allocate(2, 64)
     assert [tuple(part.shape[:3]) for part in kv.parts] == [(1, 2, 2), (1, 2, 2)]
     greedy = SamplingParams(max_tokens=2, temperature=0.0)
-    [pkg] = core.make_prefiller().prefill([PrefillRequest("x", tuple(prompts[0]), greedy)])
+    [pkg] = core.make_prefiller().make_packages([PrefillRequest("x", tuple(prompts[0]), greedy)])
     runner.load_row(kv, 1, pkg.kv_tensor(runner.kv_device))
     n = pkg.seq_len
     full = pkg.kv_tensor()
@@ -114,7 +114,7 @@ async def test_bfloat16_weights_and_kv_match_generate_in_bfloat16():
     for p, m, [out] in zip(prompts, max_tokens, alone, strict=True):
         assert out == hf_greedy(model, p, m)
     greedy = SamplingParams(max_tokens=2, temperature=0.0)
-    [pkg] = core.make_prefiller().prefill([PrefillRequest("k", tuple(prompts[0]), greedy)])
+    [pkg] = core.make_prefiller().make_packages([PrefillRequest("k", tuple(prompts[0]), greedy)])
     assert pkg.layout.kv_dtype == "bfloat16" and pkg.kv.dtype.itemsize == 2
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from app.config import EngineConfig
+from app.engine_core import EngineCore
 from app.errors import ContextLengthError, InvalidRequestError
-from app.local_engine import EngineCore
+from app.messages import PrefillRequest
 from app.prefill import plan_batches
 from app.sampling import SamplingParams
-from app.sequence import PrefillRequest
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
@@ -54,19 +54,19 @@ def test_batched_prefill_equals_one_by_one(tiny_model):
     reqs = [PrefillRequest(f"p{i}", tuple(p), GREEDY) for i, p in enumerate(prompts)]
 
     batch_sizes: list[int] = []
-    real_prefill = core.runner.prefill
+    real_prefill = core.runner.forward_prefill
 
     def counting(batch):
         batch_sizes.append(len(batch))
         return real_prefill(batch)
 
-    core.runner.prefill = counting  # instance attribute: this core only
-    batched = prefiller.prefill(reqs)
+    core.runner.forward_prefill = counting  # instance attribute: this core only
+    batched = prefiller.make_packages(reqs)
     assert batch_sizes == [5]  # one padded forward pass for all of them
     assert [p.request_id for p in batched] == [r.request_id for r in reqs]  # order kept
 
     for req, pkg in zip(reqs, batched, strict=True):
-        [alone] = prefiller.prefill([req])
+        [alone] = prefiller.make_packages([req])
         assert pkg.first_token == alone.first_token
         assert pkg.prompt_ids == list(req.prompt_token_ids)
         assert pkg.seq_len == req.num_tokens
@@ -80,7 +80,7 @@ def test_batched_prefill_equals_one_by_one(tiny_model):
 def test_prefill_kv_matches_model_cache(tiny_model):
     core = EngineCore(EngineConfig(), model=tiny_model)
     prompt = [5, 99, 1234, 7, 4242, 17, 8]
-    [pkg] = core.make_prefiller().prefill([PrefillRequest("k", tuple(prompt), GREEDY)])
+    [pkg] = core.make_prefiller().make_packages([PrefillRequest("k", tuple(prompt), GREEDY)])
     with torch.no_grad():
         out = tiny_model(torch.tensor([prompt]), use_cache=True)
     cache = out.past_key_values
@@ -96,15 +96,15 @@ def test_prefill_uses_bounded_batches(tiny_model):
     core = EngineCore(EngineConfig(prefill_token_budget=40, prefill_max_batch_size=2),
                       model=tiny_model)
     sizes: list[tuple[int, int]] = []
-    real_prefill = core.runner.prefill
+    real_prefill = core.runner.forward_prefill
 
     def recording(batch):
         sizes.append((len(batch), max(len(p) for p in batch)))
         return real_prefill(batch)
 
-    core.runner.prefill = recording
+    core.runner.forward_prefill = recording
     reqs = [_req(f"b{i}", n) for i, n in enumerate((5, 12, 8, 20, 3, 15))]
-    pkgs = core.make_prefiller().prefill(reqs)
+    pkgs = core.make_prefiller().make_packages(reqs)
     assert [p.request_id for p in pkgs] == [r.request_id for r in reqs]
     assert sum(n for n, _ in sizes) == len(reqs)
     assert all(n <= 2 and n * longest <= 40 for n, longest in sizes)
@@ -114,8 +114,9 @@ def test_sampled_first_token_is_seeded(tiny_model):
     core = EngineCore(EngineConfig(), model=tiny_model)
     prefiller = core.make_prefiller()
     sp = SamplingParams(max_tokens=3, temperature=1.0, seed=77)
-    a = prefiller.prefill([_req("s1", 12, sp)])[0].first_token
-    b = prefiller.prefill([_req("s2", 12, sp), _req("s3", 30, GREEDY, start=50)])[0].first_token
+    a = prefiller.make_packages([_req("s1", 12, sp)])[0].first_token
+    b = prefiller.make_packages(
+        [_req("s2", 12, sp), _req("s3", 30, GREEDY, start=50)])[0].first_token
     assert a == b  # the batch a seeded request shares does not change its draw
 
 
@@ -157,8 +158,8 @@ def test_validation_errors(tiny_model):
 def test_invalid_request_fails_batch_before_compute(tiny_model):
     prefiller = _prefiller(tiny_model, max_model_len=32)
     calls = []
-    real_prefill = prefiller.runner.prefill
-    prefiller.runner.prefill = lambda batch: calls.append(batch) or real_prefill(batch)
+    real_prefill = prefiller.runner.forward_prefill
+    prefiller.runner.forward_prefill = lambda batch: calls.append(batch) or real_prefill(batch)
     with pytest.raises(ContextLengthError):
-        prefiller.prefill([_req("good", 5), _req("bad", 40)])
+        prefiller.make_packages([_req("good", 5), _req("bad", 40)])
     assert calls == []

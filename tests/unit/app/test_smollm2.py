@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from app.config import EngineConfig
-from app.local_engine import LocalEngine
+from app.engine_core import LocalEngine
 from app.sampling import SamplingParams
 from tests.conftest import hf_greedy
 

@@ -1,0 +1,276 @@
+"""The OpenAI HTTP surface: the FastAPI app, its middleware (API key, body size), the mapping
+of every error to OpenAI's shape, and the response and SSE framing.
+
+The routes themselves are methods of the Serve deployment (``deployments.ingress``); FastAPI
+validates their bodies against the typed models of ``app.protocol`` and documents every
+request and response in ``/openapi.json``. Bad input is answered with OpenAI-shaped 400s
+(not FastAPI's 422s).
+"""
+
+# No `from __future__ import annotations` here: FastAPI must see the real `Request` type.
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.errors import (
+    AuthenticationError,
+    EngineError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+)
+from app.messages import FinishReason
+from app.output import StreamDelta
+from app.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    CompletionChoice,
+    CompletionResponse,
+    Endpoint,
+    ErrorResponse,
+    Usage,
+    error_body,
+    now,
+)
+from deployments.split_path import unwrap_error
+
+logger = logging.getLogger(__name__)
+
+api = FastAPI(title="splitserve", version="1.0.0",
+              description="OpenAI-compatible API over split prefill/decode")
+api.state.api_key = None
+api.state.max_body_bytes = 1 << 20
+
+_OPEN_PATHS = frozenset({"/health"})
+
+# The error answers every route may give, for the OpenAPI schema.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": "OpenAI-shaped error"}
+    for code in (400, 401, 404, 413, 429, 500, 503, 504)
+}
+SSE_RESPONSE: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The completion, or an SSE stream of chunks when stream is true",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """Any exception as an OpenAI-shaped JSON error; engine errors keep their status code
+    (and ``Retry-After``), anything else is a logged 500."""
+    exc = unwrap_error(exc)
+    if isinstance(exc, EngineError):
+        headers = {}
+        retry = getattr(exc, "retry_after_s", None)
+        if retry is not None:
+            headers["Retry-After"] = str(max(1, round(retry)))
+        return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code),
+                            status_code=exc.status_code, headers=headers)
+    logger.exception("internal error", exc_info=exc)
+    return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+
+
+def validation_error(errors: list[Any]) -> InvalidRequestError:
+    """The first of pydantic's (or FastAPI's) validation errors as a 400 naming its field."""
+    first = dict(errors[0]) if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "function-after"]
+    if loc and loc[0] in ("body", "query"):
+        loc = loc[1:]
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return InvalidRequestError("the request body is not valid JSON")
+    if not loc and kind in ("missing", "model_attributes_type", "dict_type", "model_type"):
+        return InvalidRequestError("the request body must be a JSON object")
+    field = ".".join(loc)
+    msg = first.get("msg", "invalid value")
+    if kind == "extra_forbidden":
+        msg = f"unsupported field {field!r}"
+    return InvalidRequestError(f"{field}: {msg}" if field else msg, param=field or None)
+
+
+@api.exception_handler(RequestValidationError)
+async def _on_validation_error(_request: Request, exc: RequestValidationError):
+    return error_response(validation_error(list(exc.errors())))
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _on_http_error(_request: Request, exc: StarletteHTTPException):
+    if exc.status_code == 404:
+        return error_response(NotFoundError(f"no route {_request.url.path}", code="not_found"))
+    if exc.status_code == 413:
+        return error_response(PayloadTooLargeError(str(exc.detail)))
+    if exc.status_code == 400:  # FastAPI could not read the body at all
+        return error_response(InvalidRequestError("the request body is not valid JSON"))
+    return JSONResponse(error_body(str(exc.detail), "invalid_request_error"),
+                        status_code=exc.status_code)
+
+
+# ---- middleware ---------------------------------------------------------------------------
+
+
+def _route_path(request: Request) -> str:
+    path = request.url.path
+    root = request.scope.get("root_path", "")  # the app's route prefix under Serve
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is over {limit} bytes")
+
+
+class BodyLimit:
+    """ASGI middleware: a body over ``api.state.max_body_bytes`` gets 413, checked on the
+    declared length first and on the bytes as they arrive (a chunked upload)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = int(api.state.max_body_bytes)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            too_large = PayloadTooLargeError(f"the request body is over {limit} bytes")
+            await error_response(too_large)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge(limit)  # FastAPI re-raises HTTPExceptions as they are
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+# Starlette runs the middleware added last first: the API key is checked before the body.
+api.add_middleware(BodyLimit)
+
+
+@api.middleware("http")
+async def require_api_key(request: Request, call_next):
+    """With an API key configured, every route but /health needs it as a bearer token."""
+    key = getattr(request.app.state, "api_key", None)
+    if key and _route_path(request) not in _OPEN_PATHS:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return error_response(AuthenticationError())
+    return await call_next(request)
+
+
+def _openapi_without_422() -> dict[str, Any]:
+    """FastAPI's schema, less the 422 it documents for every body: this API answers bad
+    input with OpenAI-shaped 400s."""
+    if api.openapi_schema:
+        return api.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=api.title, version=api.version, description=api.description,
+                         routes=api.routes)
+    for path in schema.get("paths", {}).values():
+        for op in path.values():
+            op.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    api.openapi_schema = schema
+    return schema
+
+
+api.openapi = _openapi_without_422  # type: ignore[method-assign]
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+def _reason(finish: FinishReason | None) -> str | None:
+    return None if finish is None else finish.value
+
+
+def completion_body(endpoint: Endpoint, request_id: str, model: str, text: str,
+                    finish: FinishReason | None, prompt_tokens: int,
+                    completion_tokens: int) -> dict[str, Any]:
+    """A whole (non-streamed) answer as a JSON-ready dict."""
+    choice: ChatChoice | CompletionChoice
+    if endpoint is Endpoint.CHAT:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)
+    else:
+        choice = CompletionChoice(text=text, finish_reason=finish)
+    return CompletionResponse(
+        id=request_id, object=endpoint.object_name, created=now(), model=model,
+        choices=[choice], usage=Usage.of(prompt_tokens, completion_tokens),
+    ).model_dump(mode="json")
+
+
+async def stream_chunks(endpoint: Endpoint, request_id: str, model: str, prompt_tokens: int,
+                        deltas: AsyncIterator[StreamDelta],
+                        include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    """The chunk dicts of a streamed answer (the shape of ``app.protocol.StreamChunk``,
+    built as plain dicts: this runs once per token)."""
+    head = {"id": request_id, "object": endpoint.chunk_object_name, "created": now(),
+            "model": model}
+    chat = endpoint is Endpoint.CHAT
+    first = True
+    n_out = 0
+    async for delta in deltas:
+        n_out += len(delta.token_ids)
+        if not (delta.text or delta.finish_reason or first):
+            continue
+        finish = _reason(delta.finish_reason)
+        if chat:
+            content: dict[str, Any] = ({"role": "assistant", "content": delta.text} if first
+                                       else {"content": delta.text})
+            choice = {"index": 0, "delta": content, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta.text, "finish_reason": finish,
+                      "logprobs": None}
+        first = False
+        yield {**head, "choices": [choice]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": Usage.of(prompt_tokens, n_out).model_dump()}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """Frame ``chunks`` as Server-Sent Events ending in ``data: [DONE]``.
+
+    The first chunk is awaited before answering, so a failure to start (queue full, a dead
+    phase) gets its own status code rather than a 200 with an error event; a failure after
+    that ends the stream with an error event."""
+    first = await chunks.__anext__()
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            yield _sse(first)
+            async for chunk in chunks:
+                yield _sse(chunk)
+        except Exception as exc:
+            err = unwrap_error(exc)
+            if isinstance(err, EngineError):
+                yield _sse(error_body(err.message, err.error_type, err.param, err.code))
+            else:
+                logger.exception("stream failed")
+                yield _sse(error_body("internal server error", "server_error"))
+        finally:
+            await chunks.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

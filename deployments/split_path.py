@@ -1,0 +1,196 @@
+"""The split path of one request: prefill -> KV ref -> decode, and the token stream back,
+resumed on another replica when one is lost.
+
+A plain class over two Serve handles (or anything with the same ``.options(...)`` and
+``.method.remote(...)`` shape), so unit tests drive it with fake handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import ray
+from ray import serve
+
+from app.errors import ReplicaUnhealthyError, RequestTimeoutError, ServiceUnavailableError
+from app.messages import PrefillRequest, StreamStart, TokenEvent
+from app.output import GenerationFailed
+from deployments.request_trace import RequestTrace
+
+logger = logging.getLogger(__name__)
+
+# A replica, its worker or its node went away, or the KV object was lost with them: the
+# request can be re-run elsewhere (docs/architecture.md, failure policy).
+RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (
+    ray.exceptions.RayActorError,  # ActorDiedError, ActorUnavailableError
+    ray.exceptions.ObjectLostError,  # OwnerDiedError, ObjectReconstructionFailedError...
+    ray.exceptions.WorkerCrashedError,
+    ray.exceptions.NodeDiedError,
+    serve.exceptions.DeploymentUnavailableError,
+    ReplicaUnhealthyError,  # a decode replica found itself wedged and gave up its streams
+)
+
+
+def unwrap_error(exc: BaseException) -> BaseException:
+    """The engine error inside a Ray task error, if there is one; Serve's back-pressure as
+    the 503 it means."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
+        return cause
+    if isinstance(exc, serve.exceptions.BackPressureError):
+        return ServiceUnavailableError(f"a phase is at capacity: {exc}", retry_after_s=1.0,
+                                       code="backpressure")
+    return exc
+
+
+def is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, RETRYABLE_ERRORS) or isinstance(unwrap_error(exc), RETRYABLE_ERRORS)
+
+
+def kv_object_locations(ref: ray.ObjectRef) -> tuple[list[str], int | None]:
+    """The nodes that hold a KV object and its size (diagnostics, never its bytes)."""
+    loc = ray.experimental.get_object_locations([ref])[ref]
+    return list(loc.get("node_ids", [])), loc.get("object_size")
+
+
+def resume_request(preq: PrefillRequest, delivered: list[int], attempt: int) -> PrefillRequest:
+    """The request that continues ``preq`` after ``delivered`` tokens: the prompt plus those
+    tokens, sampling continuing at the same output index."""
+    return PrefillRequest(
+        f"{preq.request_id}-retry{attempt}",
+        preq.prompt_token_ids + tuple(delivered),
+        dataclasses.replace(preq.sampling, max_tokens=preq.sampling.max_tokens - len(delivered)),
+        output_offset=preq.output_offset + len(delivered),
+    )
+
+
+class SplitPath:
+    """Runs requests through the phases.
+
+    ``prefill`` is the PrefillServer handle, or None in the colocated app, where ``decode``
+    (the ColocatedServer) prefills every prompt itself.
+    """
+
+    def __init__(self, prefill: Any | None, decode: Any, *, local_prefill_threshold: int,
+                 request_timeout_s: float, max_retries: int, retry_backoff_s: float,
+                 locate: Callable[[Any], tuple[list[str], int | None]] = kv_object_locations
+                 ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.local_prefill_threshold = local_prefill_threshold
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.locate = locate
+        self.retries = 0  # re-runs across all requests
+
+    async def readiness(self, timeout_s: float) -> dict[str, bool]:
+        """Ready when both phases (or the colocated server) answer a ping."""
+        async def ping(handle: Any) -> bool:
+            try:
+                await asyncio.wait_for(handle.ping.remote(), timeout_s)
+                return True
+            except Exception:
+                return False
+
+        if self.prefill is None:
+            ok = await ping(self.decode)
+            return {"ready": ok, "colocated": ok}
+        prefill_ok, decode_ok = await asyncio.gather(ping(self.prefill), ping(self.decode))
+        return {"ready": prefill_ok and decode_ok, "prefill": prefill_ok, "decode": decode_ok}
+
+    def _prefills_locally(self, preq: PrefillRequest) -> bool:
+        return self.prefill is None or preq.num_tokens < self.local_prefill_threshold
+
+    async def prefill_then_decode(self, preq: PrefillRequest,
+                                  trace: RequestTrace) -> AsyncIterator[TokenEvent]:
+        """One attempt: the prefill replica makes the KV package and the ingress keeps only
+        its ObjectRef; the decode replica resolves the ref on its own node and streams the
+        tokens. Short prompts (and the colocated app) are prefilled on the decode replica."""
+        ref: ray.ObjectRef | None = None
+        prefill_call = None
+        if self._prefills_locally(preq):
+            stream = self.decode.options(stream=True).generate_local.remote(preq)
+        else:
+            prefill_call = self.prefill.make_kv_package.remote(preq)
+            try:
+                ref = await prefill_call._to_object_ref()
+            except BaseException:
+                prefill_call.cancel()  # client gone or timed out: drop the queued prompt
+                raise
+            # the list keeps Ray from resolving the ref here: decode resolves it on its node
+            stream = self.decode.options(stream=True).generate.remote([ref])
+        try:
+            async for item in stream:
+                if isinstance(item, StreamStart):
+                    trace.stream_start = item
+                    trace.attempts += 1
+                    if trace.kv_locations is None and ref is not None:
+                        trace.kv_locations, trace.kv_object_size = self.locate(ref)
+                    ref = None  # decode holds the package: let the object go
+                    prefill_call = None
+                    continue
+                yield item
+        finally:
+            stream.cancel()
+            if prefill_call is not None:
+                prefill_call.cancel()  # a prompt still queued for prefill is dropped
+
+    async def resumable_stream(self, preq: PrefillRequest,
+                               trace: RequestTrace) -> AsyncIterator[TokenEvent]:
+        """The token stream of ``preq``, surviving replica and node failures and bounded in
+        time.
+
+        When a prefill or decode replica (or its node, or the KV object) is lost, the request
+        is prefilled again with the prompt plus the tokens already delivered and resumes on
+        another decode replica: sampling continues at the same output index, so the client
+        sees no missing and no duplicated token (greedy: the undisturbed text). After
+        ``max_retries`` re-runs, or past ``request_timeout_s``, it ends with an error.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
+        delivered: list[int] = []
+        attempt = 0
+        current = preq
+        while True:
+            events = self.prefill_then_decode(current, trace).__aiter__()
+            try:
+                while True:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise TimeoutError
+                    try:
+                        event = await asyncio.wait_for(events.__anext__(), remaining)
+                    except StopAsyncIteration:
+                        return
+                    if event.token_id is not None:
+                        delivered.append(event.token_id)
+                    if event.decode_queue_s is not None and trace.decode_queue_s is None:
+                        trace.decode_queue_s = event.decode_queue_s
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"request {preq.request_id} took longer than the server's request timeout "
+                    f"({self.request_timeout_s:g} s); its work was stopped") from None
+            except Exception as exc:
+                if not is_retryable(exc):
+                    raise
+                if attempt >= self.max_retries:
+                    raise GenerationFailed(
+                        f"request {preq.request_id} failed after {attempt} retries: "
+                        f"{type(unwrap_error(exc)).__name__}") from exc
+                attempt += 1
+                self.retries += 1
+                logger.warning("request %s: %s; retry %d/%d with %d tokens delivered",
+                               preq.request_id, type(unwrap_error(exc)).__name__, attempt,
+                               self.max_retries, len(delivered))
+                current = resume_request(preq, delivered, attempt)
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            finally:
+                await events.aclose()

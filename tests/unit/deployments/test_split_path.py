@@ -1,0 +1,250 @@
+"""The split path on fake phase handles (no Ray cluster): the hop (prefill -> ref -> decode),
+local prefill, and the failure policy: resume after a lost replica with no missing or
+duplicated token, a bounded retry budget, a request timeout, and no retry for errors that a
+retry cannot fix."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import ray
+
+from app.errors import QueueFullError, RequestTimeoutError
+from app.messages import FinishReason, PrefillRequest, StreamStart, TokenEvent
+from app.output import GenerationFailed
+from app.sampling import SamplingParams
+from deployments.request_trace import RequestTrace
+from deployments.split_path import SplitPath, is_retryable
+
+TOKENS = list(range(100, 112))
+
+
+class FakeCall:
+    """What a Serve handle call returns: awaitable as a ref, async-iterable as a stream."""
+
+    def __init__(self, value: Any = None, stream: AsyncIterator[Any] | None = None) -> None:
+        self.value = value
+        self.stream = stream
+        self.cancelled = False
+
+    async def _to_object_ref(self) -> Any:
+        if isinstance(self.value, BaseException):
+            raise self.value
+        return self.value
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        assert self.stream is not None
+        return self.stream
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    """``handle.options(...).method.remote(*args)`` calls ``methods[method](*args)``."""
+
+    def __init__(self, **methods: Callable[..., FakeCall]) -> None:
+        self.methods = methods
+        self.calls: list[tuple[str, tuple]] = []
+
+    def options(self, **_: Any) -> FakeHandle:
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        handle = self
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any) -> FakeCall:
+                handle.calls.append((name, args))
+                return handle.methods[name](*args)
+
+        return _Method
+
+
+def start() -> StreamStart:
+    return StreamStart("decode-node", 10, kv_hop_s=0.01, fetch_s=0.0, prefill_s=0.1)
+
+
+def token_stream(preq: PrefillRequest, fail_at: int | None = None) -> AsyncIterator[Any]:
+    async def gen():
+        yield start()
+        for i, tok in enumerate(TOKENS[preq.output_offset:], preq.output_offset):
+            if i == fail_at:
+                raise ray.exceptions.ActorDiedError()
+            last = i == len(TOKENS) - 1
+            yield TokenEvent(preq.request_id, tok, i, FinishReason.LENGTH if last else None)
+    return gen()
+
+
+def split_path(prefill: FakeHandle | None, decode: FakeHandle, **kw: Any) -> SplitPath:
+    opts = {"local_prefill_threshold": 0, "request_timeout_s": 30.0, "max_retries": 2,
+            "retry_backoff_s": 0.01, "locate": lambda ref: (["prefill-node"], 123), **kw}
+    return SplitPath(prefill, decode, **opts)
+
+
+def request(max_tokens: int = len(TOKENS)) -> PrefillRequest:
+    return PrefillRequest("req", (1, 2, 3), SamplingParams(max_tokens=max_tokens,
+                                                           temperature=0.0))
+
+
+def run(path: SplitPath, preq: PrefillRequest, trace: RequestTrace | None = None
+        ) -> list[TokenEvent]:
+    async def collect():
+        return [ev async for ev in path.resumable_stream(preq, trace or RequestTrace())]
+    return asyncio.run(collect())
+
+
+def hop_handles(decode_stream: Callable[[PrefillRequest], AsyncIterator[Any]]
+                ) -> tuple[FakeHandle, FakeHandle]:
+    """A prefill handle whose refs are the requests themselves, and a decode handle that
+    streams ``decode_stream(request)`` for the ref it is given."""
+    prefill = FakeHandle(make_kv_package=lambda preq: FakeCall(value=preq))
+    decode = FakeHandle(generate=lambda wrapped: FakeCall(stream=decode_stream(wrapped[0])))
+    return prefill, decode
+
+
+def test_the_hop_hands_decode_the_ref_not_the_package():
+    prefill, decode = hop_handles(token_stream)
+    trace = RequestTrace()
+    out = run(split_path(prefill, decode), request(), trace)
+    assert [e.token_id for e in out] == TOKENS
+    [(name, (preq,))] = prefill.calls
+    assert name == "make_kv_package" and preq.request_id == "req"
+    [(name, (wrapped,))] = decode.calls
+    # the ref travels inside a list, so Ray does not resolve it in the ingress; decode
+    # resolves it on its own node
+    assert name == "generate" and isinstance(wrapped, list) and wrapped[0] is preq
+    assert trace.attempts == 1 and trace.stream_start == start()
+    assert trace.kv_locations == ["prefill-node"] and trace.kv_object_size == 123
+
+
+def test_short_prompts_and_the_colocated_app_prefill_on_the_decode_replica():
+    decode = FakeHandle(generate_local=lambda preq: FakeCall(stream=token_stream(preq)))
+    prefill = FakeHandle()
+    out = run(split_path(prefill, decode, local_prefill_threshold=4), request())
+    assert [e.token_id for e in out] == TOKENS and prefill.calls == []
+    assert [c[0] for c in decode.calls] == ["generate_local"]
+    out = run(split_path(None, decode), request())
+    assert [e.token_id for e in out] == TOKENS
+
+
+def test_a_client_that_leaves_during_prefill_drops_the_queued_prompt():
+    never = asyncio.Event()
+    calls: list[FakeCall] = []
+
+    class SlowCall(FakeCall):
+        async def _to_object_ref(self) -> Any:
+            await never.wait()
+
+    def slow_prefill(preq):
+        calls.append(SlowCall())
+        return calls[-1]
+
+    path = split_path(FakeHandle(make_kv_package=slow_prefill), FakeHandle())
+
+    async def leave_early():
+        task = asyncio.ensure_future(
+            path.prefill_then_decode(request(), RequestTrace()).__anext__())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(leave_early())
+    assert calls[0].cancelled
+
+
+def test_resume_after_a_lost_decode_replica_continues_the_stream():
+    seen: list[PrefillRequest] = []
+
+    def stream(preq):
+        seen.append(preq)
+        return token_stream(preq, fail_at=5 if len(seen) == 1 else None)
+
+    path = split_path(*hop_handles(stream))
+    trace = RequestTrace()
+    out = run(path, request(), trace)
+    assert [e.token_id for e in out] == TOKENS  # none missing, none twice
+    assert [e.index for e in out] == list(range(len(TOKENS)))
+    retry = seen[1]
+    assert retry.prompt_token_ids == (1, 2, 3, *TOKENS[:5])  # prompt + what was sent
+    assert retry.output_offset == 5
+    assert retry.sampling.max_tokens == len(TOKENS) - 5
+    assert path.retries == 1 and trace.attempts == 2
+
+
+def test_lost_kv_object_before_any_token_reruns_prefill():
+    refs = [ray.exceptions.OwnerDiedError("0" * 56, None, "")]
+
+    def make(preq):
+        return FakeCall(value=refs.pop() if refs else preq)
+
+    prefill = FakeHandle(make_kv_package=make)
+    decode = FakeHandle(generate=lambda wrapped: FakeCall(stream=token_stream(wrapped[0])))
+    out = run(split_path(prefill, decode), request())
+    assert [e.token_id for e in out] == TOKENS and len(prefill.calls) == 2
+
+
+def test_retry_budget_runs_out_with_a_clean_error_in_bounded_time():
+    def stream(preq):
+        return token_stream(preq, fail_at=preq.output_offset + 1)
+
+    prefill, decode = hop_handles(stream)
+    t = time.perf_counter()
+    with pytest.raises(GenerationFailed, match="after 2 retries"):
+        run(split_path(prefill, decode, max_retries=2), request())
+    assert len(prefill.calls) == 3 and time.perf_counter() - t < 2.0
+
+
+def test_errors_a_retry_cannot_fix_are_not_retried():
+    prefill = FakeHandle(make_kv_package=lambda preq: FakeCall(value=QueueFullError("full")))
+    with pytest.raises(QueueFullError):
+        run(split_path(prefill, FakeHandle()), request())
+    assert len(prefill.calls) == 1
+    assert not is_retryable(QueueFullError("x")) and not is_retryable(ValueError())
+    assert is_retryable(ray.exceptions.ActorDiedError())
+    assert is_retryable(ray.exceptions.ObjectLostError("0" * 56, None, ""))
+
+
+def test_request_timeout_ends_a_stuck_stream_and_closes_it():
+    closed = asyncio.Event()
+
+    async def stuck(preq):
+        try:
+            yield start()
+            yield TokenEvent(preq.request_id, TOKENS[0], 0)
+            await asyncio.sleep(3600)
+        finally:
+            closed.set()
+
+    async def go():
+        path = split_path(*hop_handles(stuck), request_timeout_s=0.3)
+        t = time.perf_counter()
+        with pytest.raises(RequestTimeoutError):
+            async for _ in path.resumable_stream(request(), RequestTrace()):
+                pass
+        return time.perf_counter() - t, closed.is_set()
+
+    elapsed, was_closed = asyncio.run(go())
+    assert 0.25 <= elapsed < 2.0 and was_closed
+
+
+def test_readiness_pings_each_phase():
+    async def ok():
+        return "node"
+
+    async def dead():
+        raise ray.exceptions.ActorDiedError()
+
+    up = FakeHandle(ping=lambda: ok())
+    down = FakeHandle(ping=lambda: dead())
+    assert asyncio.run(split_path(up, up).readiness(1.0)) == {
+        "ready": True, "prefill": True, "decode": True}
+    assert asyncio.run(split_path(up, down).readiness(1.0))["ready"] is False
+    assert asyncio.run(split_path(None, up).readiness(1.0)) == {"ready": True,
+                                                                 "colocated": True}
