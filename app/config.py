@@ -64,7 +64,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     max_batch_size: int = 16
     max_kv_tokens: int = 65536
-    max_waiting: int = 256
+    max_waiting: int = 64
     prefill_token_budget: int = 4096
     prefill_max_batch_size: int = 8
     cache_dir: str | None = None

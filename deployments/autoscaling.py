@@ -49,7 +49,6 @@ DECODE_TPOT_MS = "decode_tpot_ms"  # time per output token (decode step); 0 = id
 
 POLICY_LOAD = "load"
 POLICY_SLO = "slo"
-POLICY_ONGOING_REQUESTS = "ongoing_requests"  # Ray Serve's default, for comparison
 
 # A per-replica prefill throughput to assume before any replica has measured its own.
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
@@ -186,8 +185,10 @@ class DecodeLoad:
 class DecodeParams:
     """How the decode policy turns load into replicas (its ``policy_kwargs``)."""
 
-    sequences_per_replica: float  # the batch one replica should run (<= max_batch_size)
-    kv_tokens_per_replica: float  # the KV one replica should hold (<= max_kv_tokens)
+    # The batch one replica should run (<= max_batch_size) and the KV tokens it should hold
+    # (<= max_kv_tokens); None until the app args fill them in from the engine's limits.
+    sequences_per_replica: float | None = None
+    kv_tokens_per_replica: float | None = None
     mode: str = POLICY_LOAD
     scale_down_ratio: float = 0.6
     tpot_target_ms: float | None = None  # SLO mode
@@ -195,8 +196,10 @@ class DecodeParams:
     def __post_init__(self) -> None:
         if self.mode not in (POLICY_LOAD, POLICY_SLO):
             raise ValueError(f"decode policy mode must be 'load' or 'slo', got {self.mode!r}")
-        if self.sequences_per_replica <= 0 or self.kv_tokens_per_replica <= 0:
-            raise ValueError("sequences_per_replica and kv_tokens_per_replica must be > 0")
+        for name in ("sequences_per_replica", "kv_tokens_per_replica"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0")
         if not 0 < self.scale_down_ratio <= 1:
             raise ValueError("scale_down_ratio must be in (0, 1]")
         if self.mode == POLICY_SLO and not (self.tpot_target_ms and self.tpot_target_ms > 0):
@@ -213,6 +216,7 @@ def decode_desired_replicas(
         assert params.tpot_target_ms is not None
         return slo_desired_replicas(load.tpot_ms, params.tpot_target_ms, current, minimum,
                                     params.scale_down_ratio)
+    assert params.sequences_per_replica and params.kv_tokens_per_replica, "per-replica targets"
     return replicas_with_hysteresis(
         [(load.total_sequences, params.sequences_per_replica),
          (load.kv_tokens, params.kv_tokens_per_replica)],

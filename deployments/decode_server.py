@@ -21,7 +21,7 @@ class DecodeServer(DecodeReplica):
         super().__init__(args, "decode")
         # short prompts are prefilled here (conditional disaggregation): same code, same model
         self.prefiller = self.core.make_prefiller()
-        self.tpot_window_s = self.args.decode.scaling.latency_window_s
+        self.tpot_window_s = self.args.decode.latency_window_s
         self.local_prefills = 0  # streams that were prefilled here
         self.local_prefilling = 0  # of those, still in their prefill
         self.kv_bytes_received = 0

@@ -45,7 +45,7 @@ from deployments.openai_api import (
     validation_error,
 )
 from deployments.request_trace import RequestTrace, TraceHistory
-from deployments.split_path import SplitPath
+from deployments.split_path import SplitPath, unwrap_error
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 
@@ -58,14 +58,13 @@ class Ingress:
         """``decode`` streams tokens; in the colocated app it is the ColocatedServer, which
         prefills every prompt itself, and ``prefill`` is None."""
         self.args = AppArgs.model_validate(args)
-        cfg = self.args.engine_config("prefill")
         self.path = SplitPath(
             prefill, decode, local_prefill_threshold=self.args.local_prefill_threshold,
             request_timeout_s=self.args.request_timeout_s, max_retries=self.args.max_retries,
             retry_backoff_s=self.args.retry_backoff_s)
-        self.tokenizer = load_tokenizer(cfg)
+        self.tokenizer = load_tokenizer(self.args.engine)
         self.prompts = PromptBuilder(self.tokenizer)
-        self.shape = read_model_shape(cfg)
+        self.shape = read_model_shape(self.args.engine)
         self.model_name = self.args.model_name
         self.node_id = ray.get_runtime_context().get_node_id()
         self.metrics = IngressMetrics()
@@ -113,13 +112,14 @@ class Ingress:
 
     # ---- generation ----------------------------------------------------------------------
 
-    async def deltas(self, preq: PrefillRequest,
+    async def deltas(self, endpoint: Endpoint, preq: PrefillRequest,
                      trace: RequestTrace | None = None) -> AsyncIterator[StreamDelta]:
         """The text of one request as it is generated, with its accounting: in-flight count,
-        TTFT/TPOT metrics and the trace kept for ``GET /debug/requests``."""
+        request outcome, TTFT/TPOT metrics and the trace kept for ``GET /debug/requests``."""
         trace = trace or RequestTrace()
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
+        outcome = "cancelled"  # the client left before the end (the generator was closed)
         try:
             async for delta in text_deltas(self.path.resumable_stream(preq, trace),
                                            self.tokenizer, preq.sampling):
@@ -128,7 +128,12 @@ class Ingress:
                 if first:
                     self.metrics.ttft_ms.observe(trace.ttft_s * 1000)
                 yield delta
+            outcome = "ok"
+        except Exception as exc:
+            outcome = type(unwrap_error(exc)).__name__
+            raise
         finally:
+            self.metrics.requests.inc(tags={"route": endpoint.value, "outcome": outcome})
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
             self.history.add(preq.request_id, preq.num_tokens, trace)
@@ -140,7 +145,7 @@ class Ingress:
         """The whole answer of a non-streamed request."""
         preq = self.prepare(endpoint, req)
         text, n_out, finish = "", 0, None
-        async for delta in self.deltas(preq, trace):
+        async for delta in self.deltas(endpoint, preq, trace):
             text += delta.text
             n_out += len(delta.token_ids)
             finish = delta.finish_reason or finish
@@ -153,7 +158,7 @@ class Ingress:
         preq = self.prepare(endpoint, req)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return stream_chunks(endpoint, preq.request_id, self.model_name, preq.num_tokens,
-                             self.deltas(preq), include_usage)
+                             self.deltas(endpoint, preq), include_usage)
 
     async def answer(self, endpoint: Endpoint, req: GenerationRequest):
         try:

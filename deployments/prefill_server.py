@@ -26,7 +26,7 @@ class PrefillServer:
         self.args = AppArgs.model_validate(args)
         self.core = EngineCore(self.args.engine_config("prefill"))
         self.throughput = autoscaling.ThroughputWindow()
-        self.latency = autoscaling.LatencyWindow(self.args.prefill.scaling.latency_window_s)
+        self.latency = autoscaling.LatencyWindow(self.args.prefill.latency_window_s)
         self.batcher = PrefillBatcher(self.core, self.args.prefill_batch_wait_s,
                                       PrefillMetrics(), on_batch=self.throughput.add)
         self.node_id = ray.get_runtime_context().get_node_id()

@@ -150,7 +150,14 @@ class DecodeReplica:
             self._stats_task = asyncio.get_running_loop().create_task(self._report_stats())
 
     async def _report_stats(self) -> None:
+        reported_steps = self.loop.decoder.steps
         while True:
+            # the steps run since the last report (the loop keeps the last few step times)
+            new_steps = self.loop.decoder.steps - reported_steps
+            reported_steps += new_steps
+            recent = list(self.loop.step_times)
+            for seconds in recent[max(0, len(recent) - new_steps):]:
+                self.metrics.step_ms.observe(seconds * 1000)
             st = self.loop.decoder.stats()
             self.metrics.active.set(self.loop.num_active)
             self.metrics.waiting.set(self.loop.num_waiting)

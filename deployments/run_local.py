@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from deployments.args import AppArgs
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,9 +42,9 @@ def _cluster_reachable() -> bool:
 def _phase_tags(config: dict) -> dict[str, float]:
     tags: dict[str, float] = {}
     for app in config.get("applications", []):
-        args = app.get("args") or {}
-        for phase in ("prefill", "decode"):
-            tag = (args.get(phase) or {}).get("resource_tag", f"{phase}_accel")
+        args = AppArgs.model_validate(app.get("args") or {})
+        for phase in args.phases:
+            tag = args.phase(phase).resource_tag
             if tag:
                 tags[tag] = tags.get(tag, 0) + 2  # room for a second replica of each phase
     return tags or {"prefill_accel": 2, "decode_accel": 2}
@@ -89,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     http = config.get("http_options") or {}
     host = http.get("host", "127.0.0.1")
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
-    app_args = (config.get("applications") or [{}])[0].get("args") or {}
-    model = app_args.get("served_model_name") or app_args.get("model", "smollm2-135m-instruct")
+    model = AppArgs.model_validate(
+        (config.get("applications") or [{}])[0].get("args") or {}).model_name
 
     started_ray = False
     if not _cluster_reachable():

@@ -70,9 +70,10 @@ def scenario_args(decode_sequences: int) -> dict:
         "metrics_interval_s": 0.5,
     }
     return phase_args(
-        prefill={"autoscaling_config": autoscaling, "scaling": {"target_queue_delay_s": 0.5}},
-        decode={"autoscaling_config": autoscaling,
-                "scaling": {"target_sequences": decode_sequences}},
+        prefill={"deployment_config": {"autoscaling_config": autoscaling},
+                 "scaling": {"target_queue_delay_s": 0.5}},
+        decode={"deployment_config": {"autoscaling_config": autoscaling},
+                "scaling": {"sequences_per_replica": decode_sequences}},
     )
 
 

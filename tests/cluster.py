@@ -79,18 +79,27 @@ def split_topology(prefill_slots: float = 2, decode_slots: float = 2) -> Iterato
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _deep_merged(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            value = _deep_merged(out[key], value)
+        out[key] = value
+    return out
+
+
+def _cpus(n: float) -> dict:
+    return {"deployment_config": {"ray_actor_options": {"num_cpus": n}}}
+
+
 def phase_args(**overrides) -> dict:
     """App args for this topology: one torch thread and half a CPU per replica (two replicas
-    of a phase fit its one-CPU node), the ingress pinned to the head."""
+    of a phase fit its one-CPU node), the ingress pinned to the head. ``overrides`` are
+    merged in at any depth (``decode={"deployment_config": {"num_replicas": 2}}``)."""
     args: dict = {
-        "prefill": {"resource_tag": "prefill_accel", "num_cpus": 0.5, "num_threads": 1},
-        "decode": {"resource_tag": "decode_accel", "num_cpus": 0.5, "num_threads": 1},
-        "ingress": {"resource_tag": "ingress_node", "num_cpus": 0.1},
+        "prefill": {"resource_tag": "prefill_accel", "num_threads": 1, **_cpus(0.5)},
+        "decode": {"resource_tag": "decode_accel", "num_threads": 1, **_cpus(0.5)},
+        "ingress": {"resource_tag": "ingress_node", **_cpus(0.1)},
         "prefill_batch_wait_s": 0.002,
     }
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(args.get(key), dict):
-            args[key] = {**args[key], **value}
-        else:
-            args[key] = value
-    return args
+    return _deep_merged(args, overrides)

@@ -28,8 +28,8 @@ from ray import serve
 
 from app.config import EngineConfig
 from app.engine_core import LocalEngine
-from app.sampling import SamplingParams
 from app.messages import PrefillRequest
+from app.sampling import SamplingParams
 from tests.integration.conftest import APP, wait_ready
 from tests.integration.conftest import app_args as split_app_args
 
@@ -53,11 +53,11 @@ FAST_AUTOSCALING = {
 
 def autoscale_args() -> dict[str, Any]:
     return split_app_args(
-        prefill={"autoscaling_config": FAST_AUTOSCALING,
+        prefill={"deployment_config": {"autoscaling_config": FAST_AUTOSCALING},
                  "scaling": {"target_queue_delay_s": 0.5}},
-        decode={"autoscaling_config": FAST_AUTOSCALING,
-                "scaling": {"target_sequences": SEQUENCES_PER_DECODE_REPLICA},
-                "graceful_shutdown_timeout_s": 300.0},
+        decode={"deployment_config": {"autoscaling_config": FAST_AUTOSCALING,
+                                      "graceful_shutdown_timeout_s": 300.0},
+                "scaling": {"sequences_per_replica": SEQUENCES_PER_DECODE_REPLICA}},
         local_prefill_threshold=LOCAL_THRESHOLD,
         # a cut stream must show up here, not be resumed on the other replica by the ingress
         max_retries=0,

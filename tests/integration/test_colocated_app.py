@@ -35,11 +35,12 @@ SHORT = {"prompt": "The sky is", "max_tokens": 8}
 def colocated_url(split_cluster):
     """The colocated app beside the split one: its own name and route prefix, on the decode
     node (a slice of its tag), deleted at the end of the module."""
-    from deployments.builder import build_colocated_app
+    from deployments.builder import build_app
 
-    args = cluster.app_args(colocated={"resource_tag": "decode_accel", "resource_amount": 0.5,
-                                    "num_cpus": 0.25, "num_threads": 1})
-    serve.run(build_colocated_app(args), name=COLO, route_prefix=PREFIX, blocking=False)
+    args = cluster.app_args(colocated={
+        "resource_tag": "decode_accel", "resource_amount": 0.5, "num_threads": 1,
+        "deployment_config": {"ray_actor_options": {"num_cpus": 0.25}}})
+    serve.run(build_app(args), name=COLO, route_prefix=PREFIX, blocking=False)
     url = split_cluster.url + PREFIX
     try:
         cluster.wait_ready(url)

@@ -35,7 +35,7 @@ CONTEXT = 96
 
 def fault_args() -> dict:
     return app_args(
-        max_model_len=CONTEXT,
+        engine={"max_model_len": CONTEXT},
         default_max_tokens=8,
         local_prefill_threshold=0,  # every prompt takes the prefill -> KV hop -> decode path
         enable_fault_injection=True,
@@ -43,12 +43,12 @@ def fault_args() -> dict:
         retry_backoff_s=0.2,
         request_timeout_s=20.0,
         decode_stall_timeout_s=4.0,
-        prefill={"num_replicas": 2, "num_cpus": 0.5, "max_queued_requests": 64,
-                 "health_check_period_s": 1.0},
-        decode={"num_replicas": 2, "resource_amount": 1.0, "num_cpus": 0.5,
-                "health_check_period_s": 1.0, "health_check_timeout_s": 10.0},
-        ingress={"resource_tag": "ingress_node", "num_cpus": 0.1, "api_key": KEY,
-                 "max_in_flight": 6, "max_body_bytes": 64 * 1024},
+        prefill={"deployment_config": {"num_replicas": 2, "max_queued_requests": 64,
+                                       "health_check_period_s": 1.0}},
+        decode={"resource_amount": 1.0,
+                "deployment_config": {"num_replicas": 2, "health_check_period_s": 1.0,
+                                      "health_check_timeout_s": 10.0}},
+        ingress={"api_key": KEY, "max_in_flight": 6, "max_body_bytes": 64 * 1024},
     )
 
 

@@ -172,8 +172,7 @@ def test_kv_object_survives_its_prefill_replica(split_app, reference):
     lose it, and decode still reads it (the ingress relies on this for every request)."""
     from ray.util.state import list_actors
 
-    from app.messages import PrefillRequest
-    from app.messages import StreamStart
+    from app.messages import PrefillRequest, StreamStart
 
     engine_prompt = reference[0].prompt_token_ids
     prefill = serve.get_deployment_handle("PrefillServer", APP)

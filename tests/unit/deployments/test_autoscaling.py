@@ -270,13 +270,17 @@ def test_latency_window_counts_in_flight_age_and_forgets_old_requests():
 # ---- the app args -------------------------------------------------------------------------
 
 
+def _autoscaled(**config) -> dict:
+    return {"deployment_config": {"autoscaling_config": config}}
+
+
 def test_args_add_the_phase_policy_to_an_autoscaling_config():
     args = AppArgs.model_validate({
-        "max_batch_size": 8, "max_kv_tokens": 4096,
-        "prefill": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3},
-                    "scaling": {"target_queue_delay_s": 0.25, "prefill_tokens_per_s": 5000}},
-        "decode": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2},
-                   "scaling": {"target_kv_fraction": 0.5}},
+        "engine": {"max_batch_size": 8, "max_kv_tokens": 4096},
+        "prefill": {**_autoscaled(min_replicas=1, max_replicas=3),
+                    "scaling": {"target_queue_delay_s": 0.25, "tokens_per_s": 5000}},
+        "decode": {**_autoscaled(min_replicas=1, max_replicas=2),
+                   "scaling": {"kv_tokens_per_replica": 2048}},
     })
     p = args.deployment_options("prefill")["autoscaling_config"]
     assert p["policy"]["policy_function"] == "deployments.autoscaling:PrefillPolicy"
@@ -293,27 +297,27 @@ def test_args_add_the_phase_policy_to_an_autoscaling_config():
     assert d["graceful_shutdown_timeout_s"] >= 300
 
 
-def test_args_keep_an_explicit_policy_and_the_default_one():
+def test_args_keep_an_explicit_policy():
+    """Naming Serve's own request-count policy is how a phase scales on ongoing requests."""
     own = {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}
     args = AppArgs.model_validate({
-        "prefill": {"autoscaling_config": {"max_replicas": 2, "policy": own}},
-        "decode": {"autoscaling_config": {"max_replicas": 2},
-                   "scaling": {"policy": "ongoing_requests"}},
-    })
+        "prefill": _autoscaled(max_replicas=2, policy=own),
+        "decode": _autoscaled(max_replicas=2)})
     assert args.deployment_options("prefill")["autoscaling_config"]["policy"] == own
-    assert "policy" not in args.deployment_options("decode")["autoscaling_config"]
+    decode = args.deployment_options("decode")["autoscaling_config"]["policy"]
+    assert decode["policy_function"] == "deployments.autoscaling:DecodePolicy"
     fixed = AppArgs.model_validate({}).deployment_options("decode")
     assert fixed["num_replicas"] == 1 and "autoscaling_config" not in fixed
 
 
 def test_slo_policy_needs_its_phase_target():
     with pytest.raises(ValidationError, match="ttft_target_ms"):
-        AppArgs.model_validate({"prefill": {"scaling": {"policy": "slo"}}})
+        AppArgs.model_validate({"prefill": {"scaling": {"mode": "slo"}}})
     with pytest.raises(ValidationError, match="tpot_target_ms"):
-        AppArgs.model_validate({"decode": {"scaling": {"policy": "slo", "ttft_target_ms": 5}}})
+        AppArgs.model_validate({"decode": {"scaling": {"mode": "slo"}}})
     ok = AppArgs.model_validate({
-        "decode": {"autoscaling_config": {"max_replicas": 2},
-                   "scaling": {"policy": "slo", "tpot_target_ms": 40}}})
+        "decode": {**_autoscaled(max_replicas=2),
+                   "scaling": {"mode": "slo", "tpot_target_ms": 40}}})
     kwargs = ok.deployment_options("decode")["autoscaling_config"]["policy"]["policy_kwargs"]
     assert kwargs["mode"] == "slo" and kwargs["tpot_target_ms"] == 40
 

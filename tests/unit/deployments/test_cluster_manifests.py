@@ -121,7 +121,8 @@ def _deployments(args: AppArgs) -> dict[str, tuple[dict[str, float], int]]:
         most = (opts["autoscaling_config"]["max_replicas"] if "autoscaling_config" in opts
                 else opts["num_replicas"])
         out[phase] = (_replica_needs(opts["ray_actor_options"]), most)
-    out["ingress"] = (_replica_needs(args.ingress.ray_actor_options()), args.ingress.num_replicas)
+    ingress = args.ingress.deployment_options()
+    out["ingress"] = (_replica_needs(ingress["ray_actor_options"]), ingress["num_replicas"])
     return out
 
 
@@ -156,9 +157,10 @@ def test_serve_config_validates_and_builds(manifest):
     builder = getattr(importlib.import_module(module_name), attr)
     assert isinstance(builder(app.args), Application)
     args = AppArgs.model_validate(app.args)
-    assert (args.device, args.dtype, args.kv_dtype) == ("cuda", "bfloat16", "bfloat16")
+    eng = args.engine
+    assert (eng.device, eng.dtype, eng.kv_dtype) == ("cuda", "bfloat16", "bfloat16")
     for phase in ("prefill", "decode"):
-        assert getattr(args, phase).autoscaling_config is not None  # each phase scales
+        assert "autoscaling_config" in args.deployment_options(phase)  # each phase scales
 
 
 def test_both_manifests_run_the_same_app():
@@ -224,7 +226,7 @@ def test_decode_spreads_over_its_gpus_and_prefill_does_not():
     [app] = _kuberay_serve_config()["applications"]
     args = AppArgs.model_validate(app["args"])
     decode, prefill = args.engine_config("decode"), args.engine_config("prefill")
-    assert (decode.device_map, decode.num_gpus) == (args.device_map, 2)
+    assert (decode.device_map, decode.num_gpus) == (args.engine.device_map, 2)
     assert (prefill.device_map, prefill.num_gpus) == (None, 1)
 
 
