@@ -21,9 +21,12 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from load_tests.metrics import parse_slos
+from load_tests.workloads import LengthDist
 from planner import hardware, search, validate
 from planner.hardware import DeviceProfile
 from planner.simulator import (
@@ -34,7 +37,6 @@ from planner.simulator import (
     load_trace,
     simulate,
 )
-from load_tests.workloads import LengthDist
 
 
 def _devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
@@ -93,11 +95,19 @@ def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
                    help="padded: this app's contiguous buffer; paged: vLLM-style blocks")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m planner", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_profile_parser(sub)
+    _add_stack_parser(sub)
+    _add_simulate_parser(sub)
+    _add_validate_parser(sub)
+    _add_search_parser(sub)
+    return ap
 
+
+def _add_profile_parser(sub: Any) -> None:
     pp = sub.add_parser("profile", help="measure this machine and write a profile JSON")
     pp.add_argument("--out", default="docs/planner/profile-local.json")
     pp.add_argument("--threads", default="1,2", help="torch thread counts to profile")
@@ -107,11 +117,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the passes on the calling thread (default: one worker thread, as "
                     "a replica's engine thread runs them)")
 
+
+def _add_stack_parser(sub: Any) -> None:
     pk = sub.add_parser("stack", help="time the serving stack around the engine on a live "
                         "app (decode TPOT vs streams, lone-request TTFT) and write a JSON")
     pk.add_argument("--url", default="http://127.0.0.1:8000", help="the app (loopback only)")
     pk.add_argument("--out", required=True)
 
+
+def _add_simulate_parser(sub: Any) -> None:
     ps = sub.add_parser("simulate", help="simulate one system on a workload or trace")
     _common(ps, gpu_defaults=False)
     ps.add_argument("--system", choices=("split", "colocated"), default="split")
@@ -126,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ps.add_argument("--trace", default=None, help="loadgen results.json or JSONL "
                     "{at,input,output} to replay instead of --rate/lengths")
 
+
+def _add_validate_parser(sub: Any) -> None:
     pv = sub.add_parser("validate", help="predicted vs measured on load-generator runs")
     pv.add_argument("--profile", required=True)
     pv.add_argument("--split", default=None, help="results.json of the split app")
@@ -145,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="stack JSON measured on the colocated app, added to cpu-2t")
     pv.add_argument("--json", default=None, help="also write the comparison here")
 
+
+def _add_search_parser(sub: Any) -> None:
     pz = sub.add_parser("search", help="best split vs colocated fleet per dollar")
     _common(pz, gpu_defaults=True)
     pz.add_argument("--hardware", default="H100,H200,A100,L4",
@@ -156,82 +174,121 @@ def main(argv: list[str] | None = None) -> int:
     pz.add_argument("--plot", default=None, help="PNG of goodput vs price")
     pz.add_argument("--json", default=None)
 
-    args = ap.parse_args(argv)
-    if args.cmd == "profile":
-        from planner.profile import run_profile
 
-        prof = run_profile(Path(args.out), threads=[int(t) for t in args.threads.split(",")],
-                           hop=not args.no_hop, quick=args.quick,
-                           worker_thread=not args.main_thread)
-        print(json.dumps(prof["devices"], indent=1))
-        print(f"profile: {args.out}")
-        return 0
-    if args.cmd == "stack":
-        from load_tests.client import is_local_url
-        from planner.profile import measure_stack
+# ---- profile, stack ----------------------------------------------------------------------
 
-        if not is_local_url(args.url):
-            ap.error(f"{args.url} is not a loopback address")
-        stack = measure_stack(args.url)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(stack, indent=1))
-        print(json.dumps(stack, indent=1))
-        return 0
-    if args.cmd == "validate":
-        from planner.profile import load_devices, stack_device
 
-        results = {k: v for k, v in (("split", args.split), ("colocated", args.colocated)) if v}
-        if not results:
-            ap.error("give --split and/or --colocated results")
-        slos = parse_slos(args.slo) if args.slo else None
-        devices = load_devices(args.profile)
-        for path in args.engine_profile:
-            for name, dev in load_devices(path).items():
-                if name in devices:
-                    devices[name] = dataclasses.replace(devices[name], prefill=dev.prefill,
-                                                        decode=dev.decode)
-        devices = {n: d.slowed(args.slowdown) for n, d in devices.items()}
-        for name, path, hop in (("cpu-1t", args.stack_split, True),
-                                ("cpu-2t", args.stack_colocated, False)):
-            if path:
-                devices[name] = stack_device(devices[name], json.loads(Path(path).read_text()),
-                                             hop=hop)
-                print(f"{name} with the serving stack of {path}: decode step + "
-                      f"{devices[name].decode_stack.c0 * 1000:.1f} ms + "
-                      f"{devices[name].decode_stack.c1 * 1000:.1f} ms x batch; "
-                      f"{devices[name].request_overhead_s * 1000:.0f} ms per request")
-        comps = validate.validate(devices, results, slos)
-        print(validate.table(comps))
-        if args.json:
-            Path(args.json).write_text(json.dumps(comps, indent=1))
-        return 0
+def _cmd_profile(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
+    from planner.profile import run_profile
 
+    prof = run_profile(Path(args.out), threads=[int(t) for t in args.threads.split(",")],
+                       hop=not args.no_hop, quick=args.quick,
+                       worker_thread=not args.main_thread)
+    print(json.dumps(prof["devices"], indent=1))
+    print(f"profile: {args.out}")
+    return 0
+
+
+def _cmd_stack(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
+    from load_tests.client import is_local_url
+    from planner.profile import measure_stack
+
+    if not is_local_url(args.url):
+        ap.error(f"{args.url} is not a loopback address")
+    stack = measure_stack(args.url)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(stack, indent=1))
+    print(json.dumps(stack, indent=1))
+    return 0
+
+
+# ---- validate ----------------------------------------------------------------------------
+
+
+def _cmd_validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
+    results = {k: v for k, v in (("split", args.split), ("colocated", args.colocated)) if v}
+    if not results:
+        ap.error("give --split and/or --colocated results")
+    slos = parse_slos(args.slo) if args.slo else None
+    comps = validate.validate(_validation_devices(args), results, slos)
+    print(validate.table(comps))
+    if args.json:
+        Path(args.json).write_text(json.dumps(comps, indent=1))
+    return 0
+
+
+def _validation_devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
+    """The measured devices, with the engine fits of ``--engine-profile``, slowed by
+    ``--slowdown``, plus the serving stacks of ``--stack-split`` / ``--stack-colocated``."""
+    from planner.profile import load_devices
+
+    devices = load_devices(args.profile)
+    for path in args.engine_profile:
+        for name, dev in load_devices(path).items():
+            if name in devices:
+                devices[name] = dataclasses.replace(devices[name], prefill=dev.prefill,
+                                                    decode=dev.decode)
+    devices = {n: d.slowed(args.slowdown) for n, d in devices.items()}
+    for name, path, hop in (("cpu-1t", args.stack_split, True),
+                            ("cpu-2t", args.stack_colocated, False)):
+        if path:
+            devices[name] = _with_stack(devices[name], name, path, hop)
+    return devices
+
+
+def _with_stack(device: DeviceProfile, name: str, path: str, hop: bool) -> DeviceProfile:
+    from planner.profile import stack_device
+
+    fitted = stack_device(device, json.loads(Path(path).read_text()), hop=hop)
+    print(f"{name} with the serving stack of {path}: decode step + "
+          f"{fitted.decode_stack.c0 * 1000:.1f} ms + "
+          f"{fitted.decode_stack.c1 * 1000:.1f} ms x batch; "
+          f"{fitted.request_overhead_s * 1000:.0f} ms per request")
+    return fitted
+
+
+# ---- simulate ----------------------------------------------------------------------------
+
+
+def _cmd_simulate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
+    slos = parse_slos(args.slo)
+    system = _simulated_system(args, _devices(args))
+    runs = load_trace(args.trace) if args.trace else [_workload(args).arrivals()]
+    for arrivals in runs:
+        _print_summary(simulate(system, arrivals).summary(slos), slos)
+    return 0
+
+
+def _simulated_system(args: argparse.Namespace,
+                      devs: dict[str, DeviceProfile]) -> SplitSystem | ColocatedSystem:
+    limits = _limits(args)
+    if args.system == "split":
+        return SplitSystem(devs[args.prefill], devs[args.decode], args.num_prefill,
+                           args.num_decode, limits)
+    return ColocatedSystem(devs[args.device], args.num_replicas, limits, args.policy,
+                           args.chunk_tokens)
+
+
+def _print_summary(s: dict[str, Any], slos: dict[str, float]) -> None:
+    print(f"{s['system']}: {s['requests']} requests in {s['duration_s']:.1f} s")
+    for m in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        d = s[m]
+        if d["count"]:
+            print(f"  {m[:-3]:<5} p50 {d['p50']:9.1f}  p90 {d['p90']:9.1f}  "
+                  f"p99 {d['p99']:9.1f} ms")
+    print(f"  throughput {s['request_throughput']:.2f} req/s, "
+          f"{s['output_throughput']:.1f} tok/s; goodput {s['goodput']:.2f} req/s "
+          f"({(s['good_fraction'] or 0) * 100:.0f}% at {slos})")
+    print(f"  ${s['cost_per_m_output_tokens']:.3f} per M output tokens, "
+          f"{s['energy_per_request_j']:.1f} J per request")
+
+
+# ---- search ------------------------------------------------------------------------------
+
+
+def _cmd_search(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     slos = parse_slos(args.slo)
     devs = _devices(args)
-    if args.cmd == "simulate":
-        limits = _limits(args)
-        if args.system == "split":
-            system = SplitSystem(devs[args.prefill], devs[args.decode], args.num_prefill,
-                                 args.num_decode, limits)
-        else:
-            system = ColocatedSystem(devs[args.device], args.num_replicas, limits, args.policy,
-                                     args.chunk_tokens)
-        runs = load_trace(args.trace) if args.trace else [_workload(args).arrivals()]
-        for arrivals in runs:
-            s = simulate(system, arrivals).summary(slos)
-            print(f"{s['system']}: {s['requests']} requests in {s['duration_s']:.1f} s")
-            for m in ("ttft_ms", "tpot_ms", "e2e_ms"):
-                d = s[m]
-                if d["count"]:
-                    print(f"  {m[:-3]:<5} p50 {d['p50']:9.1f}  p90 {d['p90']:9.1f}  "
-                          f"p99 {d['p99']:9.1f} ms")
-            print(f"  throughput {s['request_throughput']:.2f} req/s, "
-                  f"{s['output_throughput']:.1f} tok/s; goodput {s['goodput']:.2f} req/s "
-                  f"({(s['good_fraction'] or 0) * 100:.0f}% at {slos})")
-            print(f"  ${s['cost_per_m_output_tokens']:.3f} per M output tokens, "
-                  f"{s['energy_per_request_j']:.1f} J per request")
-        return 0
-
     kinds = [k.strip() for k in args.hardware.split(",") if k.strip()]
     missing = [k for k in kinds if k not in devs]
     if missing:
@@ -247,6 +304,21 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(
             {k: [c.at_budget(budget) for c in cs] for k, cs in result.items()}, indent=1))
     return 0
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, argparse.ArgumentParser], int]] = {
+    "profile": _cmd_profile,
+    "stack": _cmd_stack,
+    "validate": _cmd_validate,
+    "simulate": _cmd_simulate,
+    "search": _cmd_search,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _build_parser()
+    args = ap.parse_args(argv)
+    return _COMMANDS[args.cmd](args, ap)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from load_tests.metrics import RequestRecord, summarize
-from planner.hardware import DeviceProfile
 from load_tests.workloads import LengthDist, arrival_gaps
+from planner.hardware import DeviceProfile
 
 # ---- workload ---------------------------------------------------------------------------
 
@@ -183,7 +183,6 @@ class _Req:
     first_token_at: float | None = None
     finished_at: float | None = None
     generated: int = 0  # output tokens produced so far (the first comes from prefill)
-    prefill_done_at: float | None = None
 
     @property
     def kv_len(self) -> int:
@@ -193,6 +192,15 @@ class _Req:
     @property
     def max_total(self) -> int:
         return self.arrival.input_len + self.arrival.output_len
+
+    def first_token(self, now: float) -> bool:
+        """Prefill's token reaches the decoder at ``now``; True when it was the only one."""
+        self.first_token_at = now
+        self.generated = 1
+        if self.arrival.output_len <= 1:
+            self.finished_at = now
+            return True
+        return False
 
 
 def _padded_kv_tokens(rows: int, capacity: int) -> int:
@@ -238,6 +246,11 @@ def _take_batch(queue: deque[_Req], budget: int) -> list[_Req]:
     return taken
 
 
+def _prefill_pass_s(device: DeviceProfile, rows: list[_Req]) -> float:
+    """One right-padded prefill pass of ``rows``."""
+    return device.prefill_s(len(rows), max(r.arrival.input_len for r in rows))
+
+
 class _Decoder:
     """One decode batch (``app.decode.Decoder``) on a device."""
 
@@ -279,6 +292,17 @@ class _Decoder:
     def step_cost(self) -> float:
         return self.device.decode_ctx_s(len(self.running), self.attended())
 
+    def start_step(self, busy: _Busy, then: Callable[[], None]) -> bool:
+        """Admit the waiting sequences and run one step, charged to ``busy``; ``then`` runs
+        when it ends. False (and nothing scheduled) when no sequence is running."""
+        self.admit()
+        if not self.running:
+            return False
+        cost = self.step_cost()
+        busy.decode_s += cost
+        self.clock.at(self.clock.now + cost, lambda: (self.end_step(), then()))
+        return True
+
     def end_step(self) -> None:
         now = self.clock.now
         still = []
@@ -292,6 +316,195 @@ class _Decoder:
         self.running = still
 
 
+class _SplitRun:
+    """The split app's replicas on a clock: prefill batches, the KV hop, decode batches."""
+
+    def __init__(self, sysm: SplitSystem, clock: _Clock, finish: Callable[[_Req], None]) -> None:
+        self.sysm, self.limits, self.clock, self.finish = sysm, sysm.limits, clock, finish
+        self.prefill_busy = [_Busy() for _ in range(sysm.num_prefill)]
+        self.decode_busy = [_Busy() for _ in range(sysm.num_decode)]
+        self.prefill_queues: list[deque[_Req]] = [deque() for _ in range(sysm.num_prefill)]
+        self.prefilling = [False] * sysm.num_prefill
+        self.decoders = [_Decoder(sysm.decode, sysm.limits, clock, finish)
+                         for _ in range(sysm.num_decode)]
+        self.decoding = [False] * sysm.num_decode
+
+    def schedule_arrivals(self, arrivals: Iterable[Arrival]) -> None:
+        overhead = self.sysm.prefill.request_overhead_s
+        for a in arrivals:
+            r = _Req(a, a.at)
+            self.clock.at(a.at + overhead, lambda r=r: self.request_arrive(r))
+
+    def busy_devices(self) -> list[tuple[DeviceProfile, _Busy]]:
+        return ([(self.sysm.prefill, b) for b in self.prefill_busy]
+                + [(self.sysm.decode, b) for b in self.decode_busy])
+
+    def _least_loaded_prefill(self) -> int:
+        pq, busy = self.prefill_queues, self.prefilling
+        return min(range(len(pq)), key=lambda k: (sum(x.arrival.input_len for x in pq[k])
+                                                  + (1 << 30) * busy[k]))
+
+    def request_arrive(self, r: _Req) -> None:
+        i = self._least_loaded_prefill()
+        self.prefill_queues[i].append(r)
+        if not self.prefilling[i]:
+            self.prefilling[i] = True
+            self.clock.at(self.clock.now + self.limits.batch_wait_s,
+                          lambda: self.prefill_start(i))
+
+    def prefill_start(self, i: int) -> None:
+        lim = self.limits
+        batch = _take_batch(self.prefill_queues[i], lim.token_budget)
+        if not batch:
+            self.prefilling[i] = False
+            return
+        cost = sum(_prefill_pass_s(self.sysm.prefill, b)
+                   for b in _plan_batches(batch, lim.token_budget, lim.prefill_max_rows))
+        self.prefill_busy[i].prefill_s += cost
+        self.clock.at(self.clock.now + cost, lambda: self.prefill_end(i, batch))
+
+    def prefill_end(self, i: int, batch: list[_Req]) -> None:
+        """Every package of the batch leaves together; each hops to decode on its own."""
+        dev = self.sysm.prefill
+        for r in batch:
+            hop = dev.hop_s(r.arrival.input_len * dev.kv_bytes_per_token)
+            self.clock.at(self.clock.now + hop, lambda r=r: self.decode_arrive(r))
+        self.prefill_start(i)
+
+    def decode_arrive(self, r: _Req) -> None:
+        if r.first_token(self.clock.now):
+            self.finish(r)
+            return
+        j = min(range(len(self.decoders)), key=lambda k: self.decoders[k].load)
+        self.decoders[j].waiting.append(r)
+        if not self.decoding[j]:
+            self.decoding[j] = True
+            # after the other events of this instant: sequences that arrive together
+            # join the same first step
+            self.clock.at(self.clock.now, lambda: self.decode_step(j))
+
+    def decode_step(self, j: int) -> None:
+        if not self.decoders[j].start_step(self.decode_busy[j], lambda: self.decode_step(j)):
+            self.decoding[j] = False
+
+
+class _ColocatedRun:
+    """The colocated replicas on a clock: one device per replica runs prefill passes between
+    decode steps (``interleave``) or mixes prompt chunks into every step (``chunked``)."""
+
+    def __init__(self, sysm: ColocatedSystem, clock: _Clock,
+                 finish: Callable[[_Req], None]) -> None:
+        self.sysm, self.limits, self.device = sysm, sysm.limits, sysm.device
+        self.clock, self.finish = clock, finish
+        n = sysm.num_replicas
+        self.busy = [_Busy() for _ in range(n)]
+        self.prefill_queues: list[deque[_Req]] = [deque() for _ in range(n)]
+        self.decoders = [_Decoder(sysm.device, sysm.limits, clock, finish) for _ in range(n)]
+        self.active = [False] * n
+        self.prefilled: dict[int, int] = {}  # chunked: prompt tokens done, by id(request)
+
+    def schedule_arrivals(self, arrivals: Iterable[Arrival]) -> None:
+        overhead = self.device.request_overhead_s
+        for a in arrivals:
+            r = _Req(a, a.at)
+            self.clock.at(a.at + overhead, lambda r=r: self.request_arrive(r))
+
+    def busy_devices(self) -> list[tuple[DeviceProfile, _Busy]]:
+        return [(self.device, b) for b in self.busy]
+
+    def request_arrive(self, r: _Req) -> None:
+        n = len(self.decoders)
+        i = min(range(n), key=lambda k: self.decoders[k].load + len(self.prefill_queues[k]))
+        self.prefill_queues[i].append(r)
+        if not self.active[i]:
+            self.active[i] = True
+            self.clock.at(self.clock.now + self.limits.batch_wait_s, lambda: self.next_pass(i))
+
+    def next_pass(self, i: int) -> None:
+        """What replica ``i`` runs next: waiting prompts first, else a decode step."""
+        if self.sysm.policy == "interleave" and self.prefill_queues[i]:
+            self._start_prefill_batch(i)
+            return
+        if self.sysm.policy == "chunked" and self.prefill_queues[i]:
+            self._mixed_pass(i)
+            return
+        if not self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i)):
+            self.active[i] = False
+
+    def _to_decode(self, i: int, r: _Req) -> None:
+        if r.first_token(self.clock.now):
+            self.finish(r)
+        else:
+            self.decoders[i].waiting.append(r)
+
+    # -- interleave ---------------------------------------------------------------------------
+
+    def _start_prefill_batch(self, i: int) -> None:
+        lim = self.limits
+        batch = _take_batch(self.prefill_queues[i], lim.token_budget)
+        self._prefill_pass(i, batch, _plan_batches(batch, lim.token_budget,
+                                                   lim.prefill_max_rows))
+
+    def _prefill_pass(self, i: int, batch: list[_Req], passes: list[list[_Req]]) -> None:
+        # the batch's passes hold the model one after another; a decode step may slip in
+        # between two of them (the runner's lock is taken per pass)
+        cost = _prefill_pass_s(self.device, passes[0])
+        self.busy[i].prefill_s += cost
+        self.clock.at(self.clock.now + cost,
+                      lambda: self._after_prefill_pass(i, batch, passes[1:]))
+
+    def _after_prefill_pass(self, i: int, batch: list[_Req], rest: list[list[_Req]]) -> None:
+        if not rest:
+            for r in batch:
+                self._to_decode(i, r)
+            self.next_pass(i)
+            return
+        if not self.decoders[i].start_step(self.busy[i],
+                                           lambda: self._prefill_pass(i, batch, rest)):
+            self._prefill_pass(i, batch, rest)
+
+    # -- chunked ------------------------------------------------------------------------------
+
+    def _mixed_pass(self, i: int) -> None:
+        # one mixed pass: every running sequence decodes, the oldest prompt advances by up
+        # to chunk_tokens (prompts progress one after another)
+        dec = self.decoders[i]
+        dec.admit()
+        r = self.prefill_queues[i][0]
+        done_tokens = self.prefilled.get(id(r), 0)
+        chunk = min(self.sysm.chunk_tokens, r.arrival.input_len - done_tokens)
+        ctx = done_tokens + chunk
+        cost = self._mixed_pass_s(dec, chunk, ctx)
+        self.busy[i].prefill_s += cost
+        self.clock.at(self.clock.now + cost, lambda: self._after_mixed_pass(i, r, ctx))
+
+    def _mixed_pass_s(self, dec: _Decoder, chunk: int, ctx: int) -> float:
+        """A prompt chunk of ``chunk`` tokens (context ``ctx``) plus a step of ``dec``'s
+        running sequences in one pass: compute and memory terms add up."""
+        dev = self.device
+        p_compute = dev.prefill.compute(chunk, chunk * ctx)
+        p_memory = dev.prefill.memory(chunk, 0.0) - dev.prefill.memory.c0
+        if dec.running:
+            b, ctx_tokens = len(dec.running), dec.attended()
+            d_compute = dev.decode.compute(b, ctx_tokens)
+            d_memory = dev.decode.memory(b, ctx_tokens)
+        else:
+            d_compute, d_memory = 0.0, dev.prefill.memory.c0
+        return dev.decode.overhead_s + max(p_compute + d_compute, p_memory + d_memory)
+
+    def _after_mixed_pass(self, i: int, r: _Req, ctx: int) -> None:
+        dec = self.decoders[i]
+        if dec.running:
+            dec.end_step()
+        if ctx >= r.arrival.input_len:
+            self.prefill_queues[i].popleft()
+            self.prefilled.pop(id(r), None)
+            self._to_decode(i, r)
+        else:
+            self.prefilled[id(r)] = ctx
+        self.next_pass(i)
+
+
 class Simulation:
     """One run of a system on a list of arrivals."""
 
@@ -302,191 +515,14 @@ class Simulation:
         self.done: list[_Req] = []
 
     def run(self) -> SimResult:
+        replicas: _SplitRun | _ColocatedRun
         if isinstance(self.system, SplitSystem):
-            busy = self._run_split(self.system)
+            replicas = _SplitRun(self.system, self.clock, self._finish)
         else:
-            busy = self._run_colocated(self.system)
+            replicas = _ColocatedRun(self.system, self.clock, self._finish)
+        replicas.schedule_arrivals(self.arrivals)
         self.clock.run()
-        return SimResult.build(self.system, self.done, busy)
-
-    # -- split ------------------------------------------------------------------------------
-
-    def _run_split(self, sysm: SplitSystem) -> list[tuple[DeviceProfile, _Busy]]:
-        clock, lim = self.clock, sysm.limits
-        busy_p = [_Busy() for _ in range(sysm.num_prefill)]
-        busy_d = [_Busy() for _ in range(sysm.num_decode)]
-        pq: list[deque[_Req]] = [deque() for _ in range(sysm.num_prefill)]
-        p_busy = [False] * sysm.num_prefill
-        decoders = [_Decoder(sysm.decode, lim, clock, self._finish)
-                    for _ in range(sysm.num_decode)]
-        d_busy = [False] * sysm.num_decode
-        overhead = sysm.prefill.request_overhead_s
-
-        def prefill_start(i: int) -> None:
-            batch = _take_batch(pq[i], lim.token_budget)
-            if not batch:
-                p_busy[i] = False
-                return
-            cost = sum(sysm.prefill.prefill_s(len(b), max(r.arrival.input_len for r in b))
-                       for b in _plan_batches(batch, lim.token_budget, lim.prefill_max_rows))
-            busy_p[i].prefill_s += cost
-            clock.at(clock.now + cost, lambda: prefill_end(i, batch))
-
-        def prefill_end(i: int, batch: list[_Req]) -> None:
-            for r in batch:
-                r.prefill_done_at = clock.now
-                hop = sysm.prefill.hop_s(r.arrival.input_len * sysm.prefill.kv_bytes_per_token)
-                clock.at(clock.now + hop, lambda r=r: decode_arrive(r))
-            prefill_start(i)
-
-        def request_arrive(r: _Req) -> None:
-            i = min(range(len(pq)), key=lambda k: (sum(x.arrival.input_len for x in pq[k])
-                                                   + (1 << 30) * p_busy[k]))
-            pq[i].append(r)
-            if not p_busy[i]:
-                p_busy[i] = True
-                clock.at(clock.now + lim.batch_wait_s, lambda: prefill_start(i))
-
-        def decode_arrive(r: _Req) -> None:
-            r.first_token_at = clock.now
-            r.generated = 1
-            if r.arrival.output_len <= 1:
-                r.finished_at = clock.now
-                self._finish(r)
-                return
-            j = min(range(len(decoders)), key=lambda k: decoders[k].load)
-            decoders[j].waiting.append(r)
-            if not d_busy[j]:
-                d_busy[j] = True
-                # after the other events of this instant: sequences that arrive together
-                # join the same first step
-                clock.at(clock.now, lambda: decode_step(j))
-
-        def decode_step(j: int) -> None:
-            dec = decoders[j]
-            dec.admit()
-            if not dec.running:
-                d_busy[j] = False
-                return
-            cost = dec.step_cost()
-            busy_d[j].decode_s += cost
-            clock.at(clock.now + cost, lambda: (dec.end_step(), decode_step(j)))
-
-        for a in self.arrivals:
-            r = _Req(a, a.at)
-            clock.at(a.at + overhead, lambda r=r: request_arrive(r))
-        return ([(sysm.prefill, b) for b in busy_p] + [(sysm.decode, b) for b in busy_d])
-
-    # -- colocated --------------------------------------------------------------------------
-
-    def _run_colocated(self, sysm: ColocatedSystem) -> list[tuple[DeviceProfile, _Busy]]:
-        clock, lim, dev = self.clock, sysm.limits, sysm.device
-        n = sysm.num_replicas
-        busy = [_Busy() for _ in range(n)]
-        pq: list[deque[_Req]] = [deque() for _ in range(n)]
-        decoders = [_Decoder(dev, lim, clock, self._finish) for _ in range(n)]
-        active = [False] * n
-        overhead = dev.request_overhead_s
-
-        def to_decode(i: int, r: _Req) -> None:
-            r.prefill_done_at = r.first_token_at = clock.now
-            r.generated = 1
-            if r.arrival.output_len <= 1:
-                r.finished_at = clock.now
-                self._finish(r)
-            else:
-                decoders[i].waiting.append(r)
-
-        def next_pass(i: int) -> None:
-            dec = decoders[i]
-            if sysm.policy == "interleave" and pq[i]:
-                batch = _take_batch(pq[i], lim.token_budget)
-                passes = _plan_batches(batch, lim.token_budget, lim.prefill_max_rows)
-                run_prefill_passes(i, batch, passes)
-                return
-            if sysm.policy == "chunked" and pq[i]:
-                run_chunked(i)
-                return
-            dec.admit()
-            if not dec.running:
-                active[i] = False
-                return
-            cost = dec.step_cost()
-            busy[i].decode_s += cost
-            clock.at(clock.now + cost, lambda: (dec.end_step(), next_pass(i)))
-
-        def run_prefill_passes(i: int, batch: list[_Req], passes: list[list[_Req]]) -> None:
-            # the batch's passes hold the model one after another; a decode step may slip in
-            # between two of them (the runner's lock is taken per pass)
-            b = passes[0]
-            cost = dev.prefill_s(len(b), max(r.arrival.input_len for r in b))
-            busy[i].prefill_s += cost
-
-            def after() -> None:
-                rest = passes[1:]
-                if not rest:
-                    for r in batch:
-                        to_decode(i, r)
-                    next_pass(i)
-                    return
-                dec = decoders[i]
-                dec.admit()
-                if dec.running:
-                    step = dec.step_cost()
-                    busy[i].decode_s += step
-                    clock.at(clock.now + step, lambda: (dec.end_step(),
-                                                        run_prefill_passes(i, batch, rest)))
-                else:
-                    run_prefill_passes(i, batch, rest)
-
-            clock.at(clock.now + cost, after)
-
-        def run_chunked(i: int) -> None:
-            # one mixed pass: every running sequence decodes, the oldest prompt advances by up
-            # to chunk_tokens (prompts progress one after another)
-            dec = decoders[i]
-            dec.admit()
-            r = pq[i][0]
-            done_tokens = progress.get(id(r), 0)
-            chunk = min(sysm.chunk_tokens, r.arrival.input_len - done_tokens)
-            ctx = done_tokens + chunk
-            p_compute = dev.prefill.compute(chunk, chunk * ctx)
-            p_memory = dev.prefill.memory(chunk, 0.0) - dev.prefill.memory.c0
-            if dec.running:
-                b, ctx_tokens = len(dec.running), dec.attended()
-                d_compute = dev.decode.compute(b, ctx_tokens)
-                d_memory = dev.decode.memory(b, ctx_tokens)
-            else:
-                d_compute, d_memory = 0.0, dev.prefill.memory.c0
-            cost = dev.decode.overhead_s + max(p_compute + d_compute, p_memory + d_memory)
-            busy[i].prefill_s += cost
-
-            def after() -> None:
-                if dec.running:
-                    dec.end_step()
-                if ctx >= r.arrival.input_len:
-                    pq[i].popleft()
-                    progress.pop(id(r), None)
-                    to_decode(i, r)
-                else:
-                    progress[id(r)] = ctx
-                next_pass(i)
-
-            clock.at(clock.now + cost, after)
-
-        progress: dict[int, int] = {}
-
-        def request_arrive(r: _Req) -> None:
-            i = min(range(n), key=lambda k: decoders[k].load + len(pq[k]))
-            pq[i].append(r)
-            if not active[i]:
-                active[i] = True
-                clock.at(clock.now + lim.batch_wait_s, lambda: next_pass(i))
-
-        for a in self.arrivals:
-            r = _Req(a, a.at)
-            clock.at(a.at + overhead, lambda r=r: request_arrive(r))
-        return [(dev, b) for b in busy]
+        return SimResult.build(self.system, self.done, replicas.busy_devices())
 
     def _finish(self, r: _Req) -> None:
         self.done.append(r)
