@@ -87,8 +87,8 @@ def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = No
 def _time_passes(core: Any, num_threads: int, repeats: int, quick: bool) -> dict[str, Any]:
     import torch
 
-    from app.sampling import SamplingParams
     from app.messages import PrefillRequest
+    from app.sampling import SamplingParams
 
     cfg = core.config
     torch.set_num_threads(num_threads)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from load_tests.workloads import LengthDist
 from planner import search as planner_search
 from planner.__main__ import main as planner_main
 from planner.hardware import (
@@ -36,7 +37,6 @@ from planner.simulator import (
     simulate,
 )
 from planner.validate import compare_run
-from load_tests.workloads import LengthDist
 
 NO_WAIT = EngineLimits(max_batch_size=16, token_budget=4096, prefill_max_rows=8,
                        batch_wait_s=0.0, padded_kv=False)
