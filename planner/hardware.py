@@ -131,12 +131,10 @@ class HardwareSpec:
     price_per_hour: float  # USD per device-hour
     source: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 # Datasheet figures; prices are typical 2025 on-demand list prices per GPU-hour (Lambda, RunPod,
-# Google Cloud), which vary by provider and month: pass your own with --price.
+# Google Cloud), which vary by provider and month: pass your own to roofline_profile
+# (price_per_hour).
 HARDWARE: dict[str, HardwareSpec] = {
     h.name: h
     for h in (
@@ -226,7 +224,7 @@ class DeviceProfile:
     request_overhead_s: float = 0.0  # fixed per-request cost outside the engine (HTTP, routing)
     # What streaming costs a decode step in the serving stack, beyond the engine's pass:
     # ``c0 + c1 x batch`` seconds (Ray streaming items, detokenizing, SSE, the cores they
-    # take from the engine). Zero for a bare engine profile; ``profile --stack-url`` fits it.
+    # take from the engine). Zero for a bare engine profile; ``profile.stack_device`` fits it.
     decode_stack: Linear = field(default_factory=Linear)
     price_per_hour: float = 1.0
     power_prefill_w: float = 0.0  # busy in a prefill pass
@@ -269,9 +267,6 @@ class DeviceProfile:
     def slowed_prefill(self, factor: float) -> DeviceProfile:
         """Prefill passes ``factor`` times slower, decode steps unchanged."""
         return replace(self, prefill=_scaled(self.prefill, factor))
-
-    def with_price(self, price_per_hour: float) -> DeviceProfile:
-        return replace(self, price_per_hour=price_per_hour)
 
 
 @dataclass(frozen=True, slots=True)

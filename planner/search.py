@@ -105,13 +105,28 @@ def search(devices: Sequence[DeviceProfile], workload: Workload, slos: dict[str,
            log: Callable[[str], None] = lambda _: None) -> dict[str, list[Candidate]]:
     """Best split and colocated candidates (each list sorted by goodput per dollar)."""
     limits = limits or EngineLimits()
+    opts = {"target": target, "min_span_s": min_span_s}
+    prefill_rate, decode_rate = _per_replica_rates(devices, workload, slos, limits, opts, log)
+    bounds = _split_bounds(devices, prefill_rate, decode_rate, max_per_phase, limits)
+    split = _candidates([sysm for _, sysm in bounds[:top_k]], workload, slos, opts, log)
+    colocated = _candidates([ColocatedSystem(dev, 1, limits, policy, chunk_tokens)
+                             for dev in devices for policy in colocated_policies],
+                            workload, slos, opts, log)
+    split.sort(key=lambda c: -c.goodput_per_dollar)
+    colocated.sort(key=lambda c: -c.goodput_per_dollar)
+    return {"split": split, "colocated": colocated}
+
+
+def _per_replica_rates(devices: Sequence[DeviceProfile], workload: Workload,
+                       slos: dict[str, float], limits: EngineLimits, opts: dict[str, Any],
+                       log: Callable[[str], None]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per-phase capacity of one replica of each kind, the other phase given ample room: the
+    prefill rate under the TTFT target, the decode rate under the TPOT target."""
     ttft_only = {k: v for k, v in slos.items() if k == "ttft"}
     tpot_only = {k: v for k, v in slos.items() if k == "tpot"}
-    # per-phase capacity of one replica of each kind, the other phase given ample room
     prefill_rate, decode_rate = {}, {}
     best_prefill = min(devices, key=lambda d: d.prefill_s(4, 1024))
     best_decode = min(devices, key=lambda d: d.decode_s(16, 1024))
-    opts = {"target": target, "min_span_s": min_span_s}
     for dev in devices:
         prefill_rate[dev.name], _ = max_goodput_rate(
             SplitSystem(dev, best_decode, 1, 8, limits), workload, ttft_only, **opts)
@@ -119,6 +134,13 @@ def search(devices: Sequence[DeviceProfile], workload: Workload, slos: dict[str,
             SplitSystem(best_prefill, dev, 8, 1, limits), workload, tpot_only, **opts)
         log(f"{dev.name}: prefill {prefill_rate[dev.name]:.2f} req/s, "
             f"decode {decode_rate[dev.name]:.2f} req/s per replica")
+    return prefill_rate, decode_rate
+
+
+def _split_bounds(devices: Sequence[DeviceProfile], prefill_rate: dict[str, float],
+                  decode_rate: dict[str, float], max_per_phase: int,
+                  limits: EngineLimits) -> list[tuple[float, SplitSystem]]:
+    """Every split fleet with its per-phase bound on goodput per dollar, best first."""
     bounds = []
     for pdev in devices:
         for ddev in devices:
@@ -128,21 +150,18 @@ def search(devices: Sequence[DeviceProfile], workload: Workload, slos: dict[str,
                     price = p * pdev.price_per_hour + d * ddev.price_per_hour
                     bounds.append((rate / price, SplitSystem(pdev, ddev, p, d, limits)))
     bounds.sort(key=lambda b: -b[0])
-    split = []
-    for _, sysm in bounds[:top_k]:
+    return bounds
+
+
+def _candidates(systems: Sequence[System], workload: Workload, slos: dict[str, float],
+                opts: dict[str, Any], log: Callable[[str], None]) -> list[Candidate]:
+    """Each system simulated whole: its goodput."""
+    out = []
+    for sysm in systems:
         rate, s = max_goodput_rate(sysm, workload, slos, **opts)
-        split.append(Candidate(sysm, rate, s))
+        out.append(Candidate(sysm, rate, s))
         log(f"{sysm.describe()}: {rate:.2f} req/s")
-    colocated = []
-    for dev in devices:
-        for policy in colocated_policies:
-            sysm = ColocatedSystem(dev, 1, limits, policy, chunk_tokens)
-            rate, s = max_goodput_rate(sysm, workload, slos, **opts)
-            colocated.append(Candidate(sysm, rate, s))
-            log(f"{sysm.describe()}: {rate:.2f} req/s")
-    split.sort(key=lambda c: -c.goodput_per_dollar)
-    colocated.sort(key=lambda c: -c.goodput_per_dollar)
-    return {"split": split, "colocated": colocated}
+    return out
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:

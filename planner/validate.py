@@ -13,14 +13,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from load_tests.metrics import summarize
+from load_tests.metrics import RequestRecord, summarize
 from planner.hardware import DeviceProfile
 from planner.simulator import (
     ColocatedSystem,
     EngineLimits,
     SplitSystem,
     System,
-    load_trace,
     simulate,
     trace_of_run,
 )
@@ -40,8 +39,6 @@ def local_system(kind: str, devices: dict[str, DeviceProfile],
 
 def compare_run(system: System, run: dict[str, Any], slos: dict[str, float]) -> dict[str, Any]:
     """Predicted and measured figures of one load-generator run, with relative errors."""
-    from load_tests.metrics import RequestRecord
-
     recs = [RequestRecord(r["class"], r["sent_at"], r["prompt_tokens"], r["output_tokens"],
                           r["ttft_s"], r["e2e_s"], r.get("itl_s") or [], r["ok"], r["error"])
             for r in run["requests"]]
@@ -69,7 +66,6 @@ def validate(devices: dict[str, DeviceProfile], results: dict[str, str | Path],
         data = json.loads(Path(path).read_text())
         run_slos = slos if slos is not None else data["config"].get("slos_ms") or {}
         system = local_system(kind, devices)
-        load_trace(path)  # checks the file holds usable requests
         for run in data["runs"]:
             out.append({"system": kind, "slos_ms": run_slos,
                         **compare_run(system, run, run_slos)})
