@@ -40,9 +40,8 @@ class EngineCore:
     One thread of its own (``thread``) loads the model and runs every forward pass, and
     ``run`` is how async code reaches it. Torch's OpenMP pool belongs to the thread that
     calls it: once two threads of a process have run parallel ops, there are more pool
-    threads than cores and every parallel region wakes its workers the slow way. Measured
-    here with two torch threads: a batch-1 decode step took 30 ms from one thread and 51 ms
-    from any thread once a second one had run passes (as ``asyncio.to_thread`` does).
+    threads than cores and every parallel region wakes its workers the slow way (what that
+    cost a decode step: BENCHMARKS.md, "Split vs colocated").
     """
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:

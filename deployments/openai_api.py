@@ -128,7 +128,7 @@ class _BodyTooLarge(StarletteHTTPException):
 
 
 class BodyLimit:
-    """ASGI middleware: a body over ``api.state.max_body_bytes`` gets 413, checked on the
+    """ASGI middleware: a body over the app's ``state.max_body_bytes`` gets 413, checked on the
     declared length first and on the bytes as they arrive (a chunked upload)."""
 
     def __init__(self, app: Any) -> None:
@@ -138,7 +138,8 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = int(api.state.max_body_bytes)
+        # the app Serve runs (set by the Ingress at start), which need not be this module's
+        limit = int(getattr(scope["app"].state, "max_body_bytes", 1 << 20))
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
             too_large = PayloadTooLargeError(f"the request body is over {limit} bytes")
