@@ -43,8 +43,24 @@ from deployments.split_path import unwrap_error
 
 logger = logging.getLogger(__name__)
 
-api = FastAPI(title="splitserve", version="1.0.0",
-              description="OpenAI-compatible API over split prefill/decode")
+class OpenAIApp(FastAPI):
+    """FastAPI, less the 422 it documents for every body: this API answers bad input with
+    OpenAI-shaped 400s (``validation_error``)."""
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema:
+            return self.openapi_schema
+        schema = super().openapi()  # cached on self: the edits below stay
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+
+api = OpenAIApp(title="splitserve", version="1.0.0",
+                description="OpenAI-compatible API over split prefill/decode")
 api.state.api_key = None
 api.state.max_body_bytes = 1 << 20
 
@@ -172,27 +188,6 @@ async def require_api_key(request: Request, call_next):
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return error_response(AuthenticationError())
     return await call_next(request)
-
-
-def _openapi_without_422() -> dict[str, Any]:
-    """FastAPI's schema, less the 422 it documents for every body: this API answers bad
-    input with OpenAI-shaped 400s."""
-    if api.openapi_schema:
-        return api.openapi_schema
-    from fastapi.openapi.utils import get_openapi
-
-    schema = get_openapi(title=api.title, version=api.version, description=api.description,
-                         routes=api.routes)
-    for path in schema.get("paths", {}).values():
-        for op in path.values():
-            op.get("responses", {}).pop("422", None)
-    for name in ("HTTPValidationError", "ValidationError"):
-        schema.get("components", {}).get("schemas", {}).pop(name, None)
-    api.openapi_schema = schema
-    return schema
-
-
-api.openapi = _openapi_without_422  # type: ignore[method-assign]
 
 
 # ---- responses ----------------------------------------------------------------------------

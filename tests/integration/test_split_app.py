@@ -180,7 +180,9 @@ def test_kv_object_survives_its_prefill_replica(split_app, reference):
     req = PrefillRequest("survivor", tuple(engine_prompt),
                          SamplingParams(max_tokens=24, temperature=0.0))
     ref = prefill.make_kv_package.remote(req)._to_object_ref_sync()
-    ray.wait([ref], fetch_local=False, timeout=120)
+    # the object must exist before its maker dies (a prefill on a busy machine takes a while)
+    ready, _ = ray.wait([ref], fetch_local=False, timeout=300)
+    assert ready, "the prefill did not finish in 300 s"
     [actor] = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
                if a.class_name.endswith(f"{APP}:PrefillServer")]
     ray.kill(ray.get_actor(actor.name, namespace="serve"), no_restart=True)
