@@ -41,12 +41,13 @@ class PagedDecodeStep:
               group: int) -> PagedDecodeStep:
         """Row ``i`` writes its new token at ``positions[i]`` and reads ``0..positions[i]``."""
         rows = len(tables)
-        write: list[int] = []
-        read: list[int] = []
-        for table, pos in zip(tables, positions, strict=True):
-            slots = cache.slots(table, 0, pos + 1)
-            write.append(slots[-1])
-            read.extend(slots)
+        offsets = torch.arange(cache.block_size)
+        per_row = [  # each row's slots, positions 0..pos
+            (torch.tensor(table)[:, None] * cache.block_size + offsets).view(-1)[: pos + 1]
+            for table, pos in zip(tables, positions, strict=True)
+        ]
+        read = torch.cat(per_row)
+        write = torch.stack([slots[-1] for slots in per_row])
         lengths = torch.tensor([p + 1 for p in positions])
         mask = None
         if rows > 1:
@@ -55,10 +56,8 @@ class PagedDecodeStep:
             mask = query_row[:, None] == row_of[None, :]
         return cls(
             rows=rows,
-            write_slots={d: torch.tensor(write, dtype=torch.long, device=d)
-                         for d in cache.devices},
-            read_slots={d: torch.tensor(read, dtype=torch.long, device=d)
-                        for d in cache.devices},
+            write_slots={d: write.to(d) for d in cache.devices},
+            read_slots={d: read.to(d) for d in cache.devices},
             mask={d: None if mask is None else mask.to(d) for d in cache.devices},
         )
 
