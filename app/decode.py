@@ -1,9 +1,13 @@
 """Continuous-batching decode.
 
 ``Decoder`` is the synchronous core, driven by one thread: each ``step`` admits waiting
-sequences (their KV packages are copied into free rows of the batch buffer), drops cancelled
-ones, runs one forward pass over every running row and records one token per row. Rows stay
-packed: a sequence that leaves hands its row to the last running one.
+sequences (their KV packages are copied into free blocks of the paged KV pool), drops
+cancelled ones, runs one forward pass over every running sequence and records one token per
+sequence. A sequence that leaves hands its blocks back; nothing else moves.
+
+Admission reserves each sequence's whole need (prompt + max_tokens, in blocks) against the KV
+budget, so a running sequence always finds a free block when it grows and no sequence is ever
+preempted; blocks themselves are taken only as the sequence fills them.
 
 ``DecodeLoop`` wraps it for asyncio: ``generate(package)`` is an async iterator of tokens, the
 steps run in a worker thread, and adds/cancels are applied only between steps.
@@ -20,9 +24,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from app.errors import QueueFullError
+from app.kv_cache import DEFAULT_BLOCK_SIZE, BlockAllocator
 from app.kv_package import KVPackage
 from app.messages import FinishReason, TokenEvent
-from app.model_runner import BatchKV, ModelRunner
+from app.model_runner import ModelRunner
 from app.sampling import sample_tokens
 from app.sequence import Sequence, SequenceStatus
 
@@ -33,9 +38,10 @@ logger = logging.getLogger(__name__)
 class DecoderStats:
     running: int
     waiting: int
-    kv_tokens_used: int  # tokens whose KV the running sequences hold
-    kv_tokens_reserved: int  # rows x capacity of the buffer
+    kv_tokens_used: int  # tokens the blocks in use hold (blocks in use x block size)
+    kv_tokens_reserved: int  # tokens the running sequences may grow to (admission)
     kv_tokens_budget: int
+    kv_tokens_live: int  # tokens the running sequences hold now (their KV lengths)
 
 
 class Decoder:
@@ -48,14 +54,17 @@ class Decoder:
         eos_token_ids: frozenset[int],
         max_batch_size: int,
         max_kv_tokens: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_kv_tokens = max_kv_tokens
+        self.blocks = BlockAllocator(max(1, max_kv_tokens // block_size), block_size)
+        self.cache = runner.make_kv_cache(self.blocks.num_blocks, block_size)
         self.waiting: deque[tuple[Sequence, KVPackage]] = deque()
-        self.running: list[Sequence] = []  # running[i].row == i
-        self.kv: BatchKV | None = None
+        self.running: list[Sequence] = []
+        self.reserved_blocks = 0  # sum of the running sequences' reservations
         self.steps = 0
         self._rejected: list[Sequence] = []
 
@@ -65,15 +74,15 @@ class Decoder:
         seq.status = SequenceStatus.WAITING
         self.waiting.append((seq, package))
 
-    def _fits(self, rows: int, capacity: int) -> bool:
-        return self.runner.kv_tokens_for(rows, capacity) <= self.max_kv_tokens
+    def _reservation(self, seq: Sequence) -> int:
+        """Blocks ``seq`` may fill at most: prompt + max_tokens, within the context."""
+        return self.blocks.blocks_for(min(seq.max_total_tokens, self.runner.max_model_len))
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
             seq, package = self.waiting[0]
-            rows = len(self.running) + 1
-            capacity = max([s.max_total_tokens for s in self.running] + [seq.max_total_tokens])
-            if not self._fits(rows, capacity):
+            need = self._reservation(seq)
+            if self.reserved_blocks + need > self.blocks.num_blocks:
                 if not self.running:
                     # cannot fit even alone: admission control upstream should prevent this
                     self.waiting.popleft()
@@ -82,28 +91,25 @@ class Decoder:
                     continue
                 break
             self.waiting.popleft()
-            kv = self.kv
-            if kv is None or kv.rows < rows or kv.capacity < capacity:
-                self.kv = kv = self.runner.allocate(rows, capacity, old=kv)
-            row = len(self.running)
-            self.runner.load_row(kv, row, package.kv_tensor(self.runner.kv_device))
-            seq.row, seq.kv_len, seq.status = row, package.seq_len, SequenceStatus.RUNNING
+            self.reserved_blocks += need
+            seq.blocks = self.blocks.allocate(self.blocks.blocks_for(package.seq_len))
+            self.cache.write(seq.blocks, package.kv_tensor(self.runner.kv_device))
+            seq.kv_len, seq.status = package.seq_len, SequenceStatus.RUNNING
             seq.joined_at = time.perf_counter()
             self.running.append(seq)
 
+    def _grow(self, seq: Sequence) -> None:
+        """A block for the position this step writes, when the sequence's blocks are full
+        (always free: the sequence's reservation covers it)."""
+        if seq.kv_len >= len(seq.blocks) * self.blocks.block_size:
+            seq.blocks.extend(self.blocks.allocate(1))
+
     def _release(self, seq: Sequence) -> None:
-        """Take a running sequence out of the batch, keeping rows packed."""
-        row = seq.row
-        assert row is not None and self.running[row] is seq
-        last = self.running.pop()
-        if last is not seq:
-            assert self.kv is not None
-            self.runner.move_row(self.kv, last.row, row, last.kv_len)
-            last.row = row
-            self.running[row] = last
-        seq.row = None
-        if not self.running and not self.waiting:
-            self.kv = None  # idle: give the buffer back
+        """Take a running sequence out of the batch and hand its blocks back."""
+        self.running.remove(seq)
+        self.blocks.free(seq.blocks)
+        self.reserved_blocks -= self._reservation(seq)
+        seq.blocks = []
 
     def cancel(self, request_id: str) -> Sequence | None:
         for seq in self.running:
@@ -131,10 +137,12 @@ class Decoder:
         rejected, self._rejected = self._rejected, []
         if not self.running:
             return rejected
-        assert self.kv is not None
         batch = list(self.running)
+        for seq in batch:
+            self._grow(seq)
         logits = self.runner.decode(
-            self.kv, [s.last_token for s in batch], [s.kv_len for s in batch]
+            self.cache, [s.blocks for s in batch], [s.last_token for s in batch],
+            [s.kv_len for s in batch],
         )  # [B, V]
         tokens = sample_tokens(
             logits,
@@ -149,29 +157,29 @@ class Decoder:
             seq.kv_len += 1
             seq.append(tok, eos_token_ids=self.eos_token_ids,
                        max_model_len=self.runner.max_model_len)
-        # Highest row first: every finished row above the current one is already gone, so
-        # the row moved into a hole always belongs to a sequence that keeps running.
-        for seq in sorted((s for s in batch if s.is_finished), key=lambda s: -(s.row or 0)):
-            self._release(seq)
+        for seq in batch:
+            if seq.is_finished:
+                self._release(seq)
         return rejected + batch
 
     def fail_all(self, reason: FinishReason = FinishReason.ERROR) -> list[Sequence]:
         failed = [s for s in self.running] + [s for s, _ in self.waiting]
+        for seq in list(self.running):
+            self._release(seq)
         for seq in failed:
             seq.finish(reason)
-            seq.row = None
-        self.running, self.kv = [], None
         self.waiting.clear()
         return failed
 
     def stats(self) -> DecoderStats:
-        kv = self.kv
+        bs = self.blocks.block_size
         return DecoderStats(
             running=len(self.running),
             waiting=len(self.waiting),
-            kv_tokens_used=sum(s.kv_len for s in self.running),
-            kv_tokens_reserved=kv.rows * kv.capacity if kv is not None else 0,
-            kv_tokens_budget=self.max_kv_tokens,
+            kv_tokens_used=self.blocks.num_used * bs,
+            kv_tokens_reserved=self.reserved_blocks * bs,
+            kv_tokens_budget=self.blocks.num_blocks * bs,
+            kv_tokens_live=sum(s.kv_len for s in self.running),
         )
 
 
@@ -181,7 +189,7 @@ class DecodeLoop:
 
     Adds and cancels are queued and applied by that task between steps, so the decoder is
     never touched while a step runs. ``max_waiting`` bounds the sequences that
-    wait for a row; past it ``generate`` raises :class:`QueueFullError` at once.
+    wait to join the batch; past it ``generate`` raises :class:`QueueFullError` at once.
     """
 
     def __init__(self, decoder: Decoder, *, max_waiting: int, fingerprint: str,
@@ -217,7 +225,7 @@ class DecodeLoop:
         """Stream a sequence's tokens, starting with prefill's first token at once.
 
         Closing the iterator early (client disconnect, stop string found upstream) cancels the
-        sequence; its row is freed before the next step.
+        sequence; its blocks are freed before the next step.
         """
         package.check_compatible(self.fingerprint, self.decoder.runner.layout)
         rid = package.request_id

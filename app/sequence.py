@@ -12,7 +12,7 @@ from app.sampling import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # admitted to the decoder's queue, KV not yet in the batch
-    RUNNING = "running"  # holds a row of the batch KV buffer
+    RUNNING = "running"  # holds KV blocks in the decode batch
     FINISHED = "finished"
 
 
@@ -59,8 +59,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    row: int | None = None  # batch row while RUNNING
-    kv_len: int = 0  # tokens whose KV sits in this sequence's row
+    blocks: list[int] = field(default_factory=list)  # block table while RUNNING
+    kv_len: int = 0  # tokens whose KV sits in this sequence's blocks
     output_offset: int = 0  # see PrefillRequest.output_offset
     # time.perf_counter() when the decode loop took it (queued) and when it joined the batch
     enqueued_at: float | None = None

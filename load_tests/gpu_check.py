@@ -39,6 +39,7 @@ import torch
 from app.config import EngineConfig
 from app.decode import Decoder
 from app.engine_core import EngineCore
+from app.kv_cache import DEFAULT_BLOCK_SIZE
 from app.kv_package import KVPackage, serialized_sizes, stage_to_host
 from app.messages import PrefillRequest
 from app.sampling import SamplingParams
@@ -211,19 +212,21 @@ def time_steps(core: EngineCore, batch_sizes: list[int], prompt_len: int, decode
         out.append(StepTiming("prefill", bsz, bsz * prompt_len, prefill_s * 1000))
 
         warmup = 2
-        kv = runner.allocate(bsz, prompt_len + warmup + decode_steps + 1)
-        for row in range(bsz):
-            runner.load_row(kv, row, one_kv)
+        per_seq = -(-(prompt_len + warmup + decode_steps + 1) // DEFAULT_BLOCK_SIZE)
+        cache = runner.make_kv_cache(bsz * per_seq, DEFAULT_BLOCK_SIZE)
+        tables = [list(range(r * per_seq, (r + 1) * per_seq)) for r in range(bsz)]
+        for table in tables:
+            cache.write(table, one_kv)
         state = {"tokens": [prompts[0][-1]] * bsz, "pos": prompt_len}
 
-        def step(kv=kv, bsz=bsz, state=state) -> None:
-            logits = runner.decode(kv, state["tokens"], [state["pos"]] * bsz)  # [B, V]
+        def step(cache=cache, tables=tables, bsz=bsz, state=state) -> None:
+            logits = runner.decode(cache, tables, state["tokens"], [state["pos"]] * bsz)
             state["tokens"] = logits.argmax(dim=-1).tolist()  # a real step needs them
             state["pos"] += 1
 
         decode_s = _median_s(step, devices, decode_steps, warmup=warmup)
         out.append(StepTiming("decode", bsz, bsz, decode_s * 1000))
-        del kv
+        del cache
     return out
 
 

@@ -87,6 +87,7 @@ def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = No
 def _time_passes(core: Any, num_threads: int, repeats: int, quick: bool) -> dict[str, Any]:
     import torch
 
+    from app.kv_cache import DEFAULT_BLOCK_SIZE
     from app.messages import PrefillRequest
     from app.sampling import SamplingParams
 
@@ -112,12 +113,16 @@ def _time_passes(core: Any, num_threads: int, repeats: int, quick: bool) -> dict
 
     decode = []
     for batch, span in decode_points:
-        kv = runner.allocate(batch, span + 1)
+        per_seq = -(-(span + 1) // DEFAULT_BLOCK_SIZE)
+        cache = runner.make_kv_cache(batch * per_seq, DEFAULT_BLOCK_SIZE)
+        for part in cache.parts:
+            part.zero_()  # what is attended must not be uninitialized memory (NaN)
+        tables = [list(range(r * per_seq, (r + 1) * per_seq)) for r in range(batch)]
         tokens = [int(t) for t in rng.integers(100, 20000, batch)]
         positions = [span - 1] * batch
 
-        def step(kv=kv, tokens=tokens, positions=positions) -> None:
-            logits = runner.decode(kv, tokens, positions)
+        def step(cache=cache, tables=tables, tokens=tokens, positions=positions) -> None:
+            logits = runner.decode(cache, tables, tokens, positions)
             logits.argmax(dim=-1).tolist()
 
         step()

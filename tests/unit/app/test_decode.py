@@ -6,7 +6,6 @@ import asyncio
 import random
 
 import pytest
-import torch
 
 from app.config import EngineConfig
 from app.engine_core import EngineCore
@@ -196,33 +195,6 @@ async def test_seeded_sampling_independent_of_batch(tiny_model):
     different = await _collect(loop, pkg)
     await loop.close()
     assert different != alone
-
-
-def test_decode_step_rows_stay_packed(tiny_model):
-    """Direct Decoder use: release moves the last row into the hole, KV intact."""
-    from app.decode import Decoder
-    from app.sequence import Sequence
-
-    core = _core(tiny_model)
-    dec = Decoder(core.runner, eos_token_ids=frozenset(), max_batch_size=4, max_kv_tokens=4096)
-    prompts = _prompts(3, seed=17)
-    pkgs = core.make_prefiller().make_packages(
-        [PrefillRequest(f"d{i}", tuple(p), SamplingParams(max_tokens=m, temperature=0.0))
-         for i, (p, m) in enumerate(zip(prompts, (2, 9, 9), strict=True))]
-    )
-    seqs = []
-    for pkg in pkgs:
-        s = Sequence(pkg.request_id, list(pkg.prompt_token_ids), pkg.sampling)
-        s.append(pkg.first_token, eos_token_ids=frozenset(), max_model_len=512)
-        dec.add(s, pkg)
-        seqs.append(s)
-    while dec.has_work:
-        dec.step()
-        assert [s.row for s in dec.running] == list(range(len(dec.running)))
-    for p, s, m in zip(prompts, seqs, (2, 9, 9), strict=True):
-        assert s.output_token_ids == hf_greedy(tiny_model, p, m)
-    assert dec.kv is None  # idle: buffer released
-    assert torch.is_grad_enabled()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -1,0 +1,151 @@
+"""The decode step against the machine's floor, on the decode replica's thread count.
+
+Prints, for each dtype asked for (side by side, interleaved in rounds so that a busy spell
+of a shared machine hits every figure alike):
+
+* the floor: one GEMV (``[1, K] @ [K, N]``) over as many bytes as the model's weights, the
+  least a decode step must read;
+* the engine's decode step (``Decoder.step``: paged KV, sampling included) at batch 1 and
+  batch 8 over 64-token contexts, as multiples of the floor, and batch 8 over batch 1;
+* a 1024-token sequence joining a running batch of 8: the longest step of the join against
+  the median step;
+* KV memory: tokens the running sequences hold over the tokens their blocks in use hold.
+
+    python -m load_tests.decode_bench [--dtypes float32,bfloat16] [--threads 1] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from app.config import DEFAULT_MODEL, EngineConfig
+from app.decode import Decoder
+from app.engine_core import EngineCore
+from app.messages import PrefillRequest
+from app.sampling import SamplingParams
+from app.sequence import Sequence
+
+CONTEXT = 64
+JOIN_LENGTH = 1024
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+class Floor:
+    """One GEMV over ``nbytes`` of weights in ``dtype``, laid out as the model's linear
+    layers hold theirs (``[out, in]``, read through ``F.linear``)."""
+
+    def __init__(self, nbytes: int, dtype: torch.dtype) -> None:
+        k = 4096
+        n = nbytes // (k * torch.tensor([], dtype=dtype).element_size())
+        self.w = torch.randn(n, k).to(dtype)  # [N, K]
+        self.x = torch.randn(1, k).to(dtype)  # [1, K]
+
+    @torch.inference_mode()
+    def __call__(self) -> None:
+        torch.nn.functional.linear(self.x, self.w)
+
+
+class Batch:
+    """A Decoder running ``lengths``-token greedy sequences that never finish."""
+
+    def __init__(self, core: EngineCore, lengths: list[int], seed: int) -> None:
+        rng = random.Random(seed)
+        self.core = core
+        self.decoder = Decoder(core.runner, eos_token_ids=frozenset(), max_batch_size=32,
+                               max_kv_tokens=core.config.max_kv_tokens)
+        self.sampling = SamplingParams(max_tokens=4000 - max(lengths), temperature=0.0,
+                                       ignore_eos=True)
+        for i, n in enumerate(lengths):
+            self.add(f"s{seed}-{i}", [rng.randrange(100, 20000) for _ in range(n)])
+        self.decoder.step()  # joins outside any timing
+
+    def add(self, request_id: str, prompt: list[int]) -> None:
+        [pkg] = self.core.make_prefiller().make_packages(
+            [PrefillRequest(request_id, tuple(prompt), self.sampling)])
+        seq = Sequence(pkg.request_id, pkg.prompt_ids, pkg.sampling)
+        seq.append(pkg.first_token, eos_token_ids=frozenset(),
+                   max_model_len=self.core.runner.max_model_len)
+        self.decoder.add(seq, pkg)
+
+    def step(self) -> None:
+        self.decoder.step()
+
+    def kv_efficiency(self) -> float:
+        """Tokens the running sequences hold over the tokens their blocks in use hold."""
+        st = self.decoder.stats()
+        return st.kv_tokens_live / st.kv_tokens_used
+
+
+def join_gap(core: EngineCore, steps: int) -> dict[str, float]:
+    """Steps of a batch of 8 before, during and after a 1024-token sequence joins."""
+    batch = Batch(core, [CONTEXT] * 8, seed=7)
+    before = [_median_ms(batch.step, 1) for _ in range(steps)]
+    batch.add("joiner", [random.Random(1).randrange(100, 20000) for _ in range(JOIN_LENGTH)])
+    during = [_median_ms(batch.step, 1) for _ in range(steps)]
+    median = statistics.median(before + during[1:])
+    return {"median_step_ms": median, "join_step_ms": during[0],
+            "longest_over_median": max(during) / median,
+            "kv_efficiency_after_join": batch.kv_efficiency()}
+
+
+def measure(dtype: str, threads: int, rounds: int, steps: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype, num_threads=threads))
+    weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
+    floor = Floor(weight_bytes, core.runner.dtype)
+    b1 = Batch(core, [CONTEXT], seed=1)
+    b8 = Batch(core, [CONTEXT] * 8, seed=2)
+    rows: dict[str, list[float]] = {"floor_ms": [], "step1_ms": [], "step8_ms": []}
+    for _ in range(rounds):  # interleaved: a slow spell hits all three alike
+        rows["floor_ms"].append(_median_ms(floor, steps))
+        rows["step1_ms"].append(_median_ms(b1.step, steps))
+        rows["step8_ms"].append(_median_ms(b8.step, steps))
+    out = {k: statistics.median(v) for k, v in rows.items()}
+    out.update(weight_mb=weight_bytes / 1e6, kv_efficiency_batch8=b8.kv_efficiency(),
+               **join_gap(core, steps))
+    out["step1_over_floor"] = out["step1_ms"] / out["floor_ms"]
+    out["step8_over_step1"] = out["step8_ms"] / out["step1_ms"]
+    out["ideal8_fraction"] = out["floor_ms"] / out["step8_ms"]  # tok/s over 8 per floor time
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    results = {d: measure(d, args.threads, args.rounds, args.steps)
+               for d in args.dtypes.split(",")}
+    keys = ["weight_mb", "floor_ms", "step1_ms", "step8_ms", "step1_over_floor",
+            "step8_over_step1", "ideal8_fraction", "median_step_ms", "join_step_ms",
+            "longest_over_median", "kv_efficiency_batch8", "kv_efficiency_after_join"]
+    print(f"decode step, {args.threads} thread(s), {CONTEXT}-token contexts")
+    print(f"{'figure':<26}" + "".join(f"{d:>12}" for d in results))
+    for k in keys:
+        print(f"{k:<26}" + "".join(f"{results[d][k]:>12.2f}" for d in results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
