@@ -46,8 +46,9 @@ def default_cache_dir() -> Path:
 class EngineConfig:
     """Everything the engine needs to load a model and bound its work.
 
-    ``max_kv_tokens`` bounds the decoder's physical KV buffer (rows x capacity), so admissions
-    can never make the process run out of memory; ``max_model_len`` caps one sequence.
+    ``max_kv_tokens`` is the size of the decoder's paged KV pool (``app.kv_cache``); admission
+    reserves each sequence's whole need in it, so a running sequence never runs out of KV
+    memory; ``max_model_len`` caps one sequence.
 
     ``device_map`` (with ``device="cuda"``) spreads the layers of a model too large for one GPU
     over the first ``num_gpus`` visible GPUs with accelerate; each layer's KV lives on that
