@@ -305,9 +305,11 @@ def test_decode_heavy_load_scales_decode_only_and_scaling_down_cuts_no_stream(au
     token_s = _idle_token_s(url)
     tail_tokens = int(min(1500, max(150, 30.0 / token_s)))
     t0 = time.monotonic()
-    # short prompts (over the local threshold, so they hop through prefill), long outputs,
-    # three times the streams one decode replica should hold
-    heavy_tokens = 48
+    # short prompts (over the local threshold, so they hop through prefill), outputs long
+    # enough to keep the batch full yet short enough that streams finish while the load lasts
+    # (~4 s of lone-stream pace, a few times that in the full batch), three times the streams
+    # one decode replica should hold
+    heavy_tokens = int(min(48, max(8, 4.0 / token_s)))
     heavy = Load(url, lambda i: {"prompt": _prompt_ids(LOCAL_THRESHOLD + 8, i),
                                  "max_tokens": heavy_tokens, "ignore_eos": True,
                                  "temperature": 0},
