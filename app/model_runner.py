@@ -95,7 +95,6 @@ class ModelRunner:
         # Decode steps attend over the paged pool (app.paged_attention); every other pass
         # (prefill) is the model's SDPA through the same registered function.
         model.set_attn_implementation(PAGED_ATTENTION)
-        self.group = cfg.num_attention_heads // self.layout.num_kv_heads
 
     def _layers_forward(self, hidden, position_ids, mask, cache,
                         **attention_kwargs) -> torch.Tensor:
@@ -184,7 +183,7 @@ class ModelRunner:
             assert pos < len(table) * cache.block_size, f"position {pos} has no block"
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device).unsqueeze(1)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(1)
-        step = PagedDecodeStep.build(cache, tables, positions, self.group)
+        step = PagedDecodeStep.build(cache, tables, positions)
         with self.lock:
             hidden = self.embed_tokens(ids)  # [B, 1, H]
             hidden = self._layers_forward(hidden, pos, None, PagedCacheView(cache, step),

@@ -1,12 +1,13 @@
 """Decode attention over block tables: every row attends exactly its own positions.
 
-A decode step gathers each running sequence's keys and values from its blocks, row after row,
-into one run of ``T = sum(lengths)`` positions, and attends all rows' queries over that run in
-one SDPA call per layer with a block-diagonal mask (a row's queries see only its own
-positions). No row is padded to the longest; the KV read is exactly the sequences' own.
+A decode step gathers each running sequence's keys and values from its own blocks into a
+``[rows, longest, kv_heads, head_dim]`` block, and attends every row in one SDPA call per
+layer. A row shorter than the longest is filled with its own first position, masked out: every
+read is of the row's own blocks (never of another sequence's, never of uninitialized memory),
+and the compute is that of a batch padded to the step's longest row.
 
 Grouped-query attention needs no repeated KV: the query heads that share a KV head become
-that head's query positions (``[1, kv_heads, rows * group, head_dim]``).
+that head's query positions (``[rows, kv_heads, group, head_dim]``).
 
 Registered with transformers as the attention implementation ``splitserve_paged``: any pass
 without a :class:`PagedDecodeStep` (prefill, ``generate()``) runs the model's SDPA unchanged.
@@ -33,31 +34,30 @@ class PagedDecodeStep:
 
     rows: int
     write_slots: dict[torch.device, torch.Tensor]  # [B]: where each row's new token goes
-    read_slots: dict[torch.device, torch.Tensor]  # [T]: every row's positions, row after row
-    mask: dict[torch.device, torch.Tensor | None]  # [B * group, T] bool; None for one row
+    read_slots: dict[torch.device, torch.Tensor]  # [B * longest]: each row's positions
+    mask: dict[torch.device, torch.Tensor | None]  # [B, 1, 1, longest] bool; None: all full
 
     @classmethod
-    def build(cls, cache: PagedKVCache, tables: list[list[int]], positions: list[int],
-              group: int) -> PagedDecodeStep:
+    def build(cls, cache: PagedKVCache, tables: list[list[int]],
+              positions: list[int]) -> PagedDecodeStep:
         """Row ``i`` writes its new token at ``positions[i]`` and reads ``0..positions[i]``."""
         rows = len(tables)
+        longest = max(positions) + 1
         offsets = torch.arange(cache.block_size)
-        per_row = [  # each row's slots, positions 0..pos
-            (torch.tensor(table)[:, None] * cache.block_size + offsets).view(-1)[: pos + 1]
-            for table, pos in zip(tables, positions, strict=True)
-        ]
-        read = torch.cat(per_row)
-        write = torch.stack([slots[-1] for slots in per_row])
-        lengths = torch.tensor([p + 1 for p in positions])
+        read = torch.empty((rows, longest), dtype=torch.long)
+        for i, (table, pos) in enumerate(zip(tables, positions, strict=True)):
+            slots = (torch.tensor(table)[:, None] * cache.block_size + offsets).view(-1)
+            read[i, : pos + 1] = slots[: pos + 1]
+            read[i, pos + 1 :] = slots[0]  # the row's own first position, masked out
+        write = read[torch.arange(rows), torch.tensor(positions)]
         mask = None
-        if rows > 1:
-            row_of = torch.repeat_interleave(torch.arange(rows), lengths)  # [T]
-            query_row = torch.arange(rows).repeat_interleave(group)  # [B * group]
-            mask = query_row[:, None] == row_of[None, :]
+        if min(positions) + 1 < longest:
+            lengths = torch.tensor([p + 1 for p in positions])
+            mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]
         return cls(
             rows=rows,
             write_slots={d: write.to(d) for d in cache.devices},
-            read_slots={d: read.to(d) for d in cache.devices},
+            read_slots={d: read.view(-1).to(d) for d in cache.devices},
             mask={d: None if mask is None else mask.to(d) for d in cache.devices},
         )
 
@@ -77,7 +77,7 @@ class PagedCacheView:
         layer[0, write] = key_states[:, :, 0].to(layer.dtype)
         layer[1, write] = value_states[:, :, 0].to(layer.dtype)
         read = self.step.read_slots[layer.device]
-        # [T, kv_heads, head_dim] each
+        # [B * longest, kv_heads, head_dim] each
         return layer[0].index_select(0, read), layer[1].index_select(0, read)
 
 
@@ -87,18 +87,15 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling=None, 
     if paged_step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
-    # query: [B, heads, 1, hd]; key, value: [T, kv_heads, hd] from PagedCacheView.update
+    # query: [B, heads, 1, hd]; key, value: [B * longest, kv_heads, hd] from the cache view
     bsz, heads, q_len, head_dim = query.shape
     assert q_len == 1 and bsz == paged_step.rows, "paged attention is for decode steps"
     kv_heads = key.shape[1]
-    group = heads // kv_heads
-    q = query.reshape(bsz, kv_heads, group, head_dim).transpose(0, 1)
-    q = q.reshape(1, kv_heads, bsz * group, head_dim)
-    k = key.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, T, hd]
-    v = value.transpose(0, 1).unsqueeze(0)
+    k = key.view(bsz, -1, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, longest, hd]
+    v = value.view(bsz, -1, kv_heads, head_dim).transpose(1, 2)
+    q = query.reshape(bsz, kv_heads, heads // kv_heads, head_dim)  # [B, kv_heads, group, hd]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=paged_step.mask[query.device],
-                                         scale=scaling)  # [1, kv_heads, B * group, hd]
-    out = out.reshape(kv_heads, bsz, group, head_dim).transpose(0, 1)
+                                         scale=scaling)  # [B, kv_heads, group, hd]
     return out.reshape(bsz, 1, heads, head_dim), None  # [B, 1, heads, hd]
 
 

@@ -51,7 +51,8 @@ def test_cache_round_trips_a_package_through_scattered_blocks():
 
 def test_paged_attention_equals_each_row_attending_alone():
     """Rows of different lengths over scattered blocks, grouped-query heads: each row's
-    output equals SDPA over exactly its own keys and values."""
+    output equals SDPA over exactly its own keys and values (shorter rows are padded with
+    their own first position, masked out)."""
     torch.manual_seed(0)
     cache = _cache(num_blocks=32, block_size=4, layers=1, kv_heads=2, head_dim=8)
     lengths = [3, 17, 9]
@@ -60,12 +61,12 @@ def test_paged_attention_equals_each_row_attending_alone():
     for table, kv in zip(tables, per_row, strict=True):
         cache.write(table, kv)
     positions = [n - 1 for n in lengths]  # each row re-writes its last position
-    step = PagedDecodeStep.build(cache, tables, positions, group=2)
+    step = PagedDecodeStep.build(cache, tables, positions)
     view = PagedCacheView(cache, step)
     new_k = torch.stack([kv[0, 0, :, -1] for kv in per_row])[:, :, None]  # [B, kvh, 1, hd]
     new_v = torch.stack([kv[0, 1, :, -1] for kv in per_row])[:, :, None]
     keys, values = view.update(new_k, new_v, 0)
-    assert keys.shape == (sum(lengths), 2, 8)
+    assert keys.shape == (3 * max(lengths), 2, 8)  # each row padded with its own slot 0
     query = torch.randn(3, 4, 1, 8)  # 4 query heads over 2 KV heads
     out, _ = paged_attention(None, query, keys, values, None, scaling=0.3, paged_step=step)
     assert out.shape == (3, 1, 4, 8)
