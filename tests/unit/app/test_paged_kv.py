@@ -49,24 +49,27 @@ def test_cache_round_trips_a_package_through_scattered_blocks():
     assert cache.slots(table, 3, 6) == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
 
 
-def test_paged_attention_equals_each_row_attending_alone():
-    """Rows of different lengths over scattered blocks, grouped-query heads: each row's
-    output equals SDPA over exactly its own keys and values (shorter rows are padded with
-    their own first position, masked out)."""
+@pytest.mark.parametrize(("lengths", "exact"), [([3, 17, 9], False), ([3, 40, 2], True)])
+def test_paged_attention_equals_each_row_attending_alone(lengths, exact):
+    """Rows of different lengths over scattered blocks, grouped-query heads, in both gather
+    layouts (lengths alike: padded; one long row: exact): each row's output equals SDPA
+    over exactly its own keys and values."""
     torch.manual_seed(0)
     cache = _cache(num_blocks=32, block_size=4, layers=1, kv_heads=2, head_dim=8)
-    lengths = [3, 17, 9]
-    tables = [[5], [1, 9, 3, 20, 4], [30, 11, 7]]
+    free = iter([5, 1, 9, 3, 20, 4, 30, 11, 7, 0, 2, 6, 8, 10, 12, 13, 14, 15, 16, 17])
+    tables = [[next(free) for _ in range(-(-n // 4))] for n in lengths]
     per_row = [torch.randn(1, 2, 2, n, 8) for n in lengths]
     for table, kv in zip(tables, per_row, strict=True):
         cache.write(table, kv)
     positions = [n - 1 for n in lengths]  # each row re-writes its last position
     step = PagedDecodeStep.build(cache, tables, positions)
+    assert step.exact is exact
     view = PagedCacheView(cache, step)
     new_k = torch.stack([kv[0, 0, :, -1] for kv in per_row])[:, :, None]  # [B, kvh, 1, hd]
     new_v = torch.stack([kv[0, 1, :, -1] for kv in per_row])[:, :, None]
     keys, values = view.update(new_k, new_v, 0)
-    assert keys.shape == (3 * max(lengths), 2, 8)  # each row padded with its own slot 0
+    expected_rows = sum(lengths) if exact else len(lengths) * max(lengths)
+    assert keys.shape == (expected_rows, 2, 8)
     query = torch.randn(3, 4, 1, 8)  # 4 query heads over 2 KV heads
     out, _ = paged_attention(None, query, keys, values, None, scaling=0.3, paged_step=step)
     assert out.shape == (3, 1, 4, 8)
