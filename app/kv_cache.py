@@ -100,17 +100,21 @@ class PagedKVCache:
         self.layers = [layer for part in self.parts for layer in part.unbind(0)]
         self.devices = sorted({s.device for s in spans}, key=str)
 
+    def slot_index(self, table: list[int], n: int) -> torch.Tensor:
+        """Slots of positions ``0..n-1`` of a sequence with block table ``table``: [n]."""
+        blocks = torch.tensor(table, dtype=torch.long)[:, None] * self.block_size
+        return (blocks + torch.arange(self.block_size)).view(-1)[:n]
+
     def slots(self, table: list[int], start: int, stop: int) -> list[int]:
-        """Slots of positions ``start..stop-1`` of a sequence with block table ``table``."""
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, stop)]
+        """Slots of positions ``start..stop-1`` (a list: tests, debugging)."""
+        return self.slot_index(table, stop)[start:].tolist()
 
     def write(self, table: list[int], package_kv: torch.Tensor) -> None:
         """Copy a KV package (``[layers, 2, kv_heads, n, head_dim]``) into the sequence's
         first ``n`` positions, cast to the pool's dtype, each span's layers on its device."""
         n = package_kv.shape[3]
         for span, part in zip(self.spans, self.parts, strict=True):
-            index = torch.tensor(self.slots(table, 0, n), dtype=torch.long, device=span.device)
+            index = self.slot_index(table, n).to(span.device)
             # [span_layers, 2, kv_heads, n, hd] -> [span_layers, 2, n, kv_heads, hd]
             src = package_kv[span.start : span.stop].transpose(2, 3).to(part.device)
             part[:, :, index] = src.to(part.dtype)
@@ -120,6 +124,13 @@ class PagedKVCache:
         ``[layers, 2, kv_heads, n, head_dim]`` on the first span's device (tests, debugging)."""
         out = []
         for span, part in zip(self.spans, self.parts, strict=True):
-            index = torch.tensor(self.slots(table, 0, n), dtype=torch.long, device=span.device)
+            index = self.slot_index(table, n).to(span.device)
             out.append(part[:, :, index].transpose(2, 3).to(self.spans[0].device))
         return torch.cat(out, 0)
+
+
+def contiguous_tables(rows: int, tokens: int, block_size: int) -> list[list[int]]:
+    """Block tables for ``rows`` sequences of up to ``tokens`` tokens each, laid out one after
+    another (benchmarks that fill a pool directly)."""
+    per_row = -(-tokens // block_size)
+    return [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]

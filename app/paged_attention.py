@@ -57,8 +57,7 @@ class PagedDecodeStep:
         rows = len(tables)
         lengths = torch.tensor([p + 1 for p in positions])
         longest = int(lengths.max())
-        offsets = torch.arange(cache.block_size)
-        per_row = [(torch.tensor(table)[:, None] * cache.block_size + offsets).view(-1)[:n]
+        per_row = [cache.slot_index(table, n)
                    for table, n in zip(tables, lengths.tolist(), strict=True)]
         write = torch.stack([slots[-1] for slots in per_row])
         exact = rows * longest > _EXACT_OVER_PADDED * int(lengths.sum())

@@ -39,7 +39,7 @@ import torch
 from app.config import EngineConfig
 from app.decode import Decoder
 from app.engine_core import EngineCore
-from app.kv_cache import DEFAULT_BLOCK_SIZE
+from app.kv_cache import DEFAULT_BLOCK_SIZE, contiguous_tables
 from app.kv_package import KVPackage, serialized_sizes, stage_to_host
 from app.messages import PrefillRequest
 from app.sampling import SamplingParams
@@ -212,9 +212,9 @@ def time_steps(core: EngineCore, batch_sizes: list[int], prompt_len: int, decode
         out.append(StepTiming("prefill", bsz, bsz * prompt_len, prefill_s * 1000))
 
         warmup = 2
-        per_seq = -(-(prompt_len + warmup + decode_steps + 1) // DEFAULT_BLOCK_SIZE)
-        cache = runner.make_kv_cache(bsz * per_seq, DEFAULT_BLOCK_SIZE)
-        tables = [list(range(r * per_seq, (r + 1) * per_seq)) for r in range(bsz)]
+        tables = contiguous_tables(bsz, prompt_len + warmup + decode_steps + 1,
+                                   DEFAULT_BLOCK_SIZE)
+        cache = runner.make_kv_cache(bsz * len(tables[0]), DEFAULT_BLOCK_SIZE)
         for table in tables:
             cache.write(table, one_kv)
         state = {"tokens": [prompts[0][-1]] * bsz, "pos": prompt_len}

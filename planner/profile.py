@@ -87,7 +87,7 @@ def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = No
 def _time_passes(core: Any, num_threads: int, repeats: int, quick: bool) -> dict[str, Any]:
     import torch
 
-    from app.kv_cache import DEFAULT_BLOCK_SIZE
+    from app.kv_cache import DEFAULT_BLOCK_SIZE, contiguous_tables
     from app.messages import PrefillRequest
     from app.sampling import SamplingParams
 
@@ -113,11 +113,10 @@ def _time_passes(core: Any, num_threads: int, repeats: int, quick: bool) -> dict
 
     decode = []
     for batch, span in decode_points:
-        per_seq = -(-(span + 1) // DEFAULT_BLOCK_SIZE)
-        cache = runner.make_kv_cache(batch * per_seq, DEFAULT_BLOCK_SIZE)
+        tables = contiguous_tables(batch, span + 1, DEFAULT_BLOCK_SIZE)
+        cache = runner.make_kv_cache(batch * len(tables[0]), DEFAULT_BLOCK_SIZE)
         for part in cache.parts:
             part.zero_()  # what is attended must not be uninitialized memory (NaN)
-        tables = [list(range(r * per_seq, (r + 1) * per_seq)) for r in range(batch)]
         tokens = [int(t) for t in rng.integers(100, 20000, batch)]
         positions = [span - 1] * batch
 
