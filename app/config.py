@@ -70,6 +70,10 @@ class EngineConfig:
     prefill_max_batch_size: int = 8
     cache_dir: str | None = None
     trust_remote_code: bool = False
+    # float32 on the CPU: a second copy of each linear weight in oneDNN's layout for products
+    # of 2+ rows (app.packed_linear; faster batched decode and prefill, twice the linear
+    # weights' memory); False keeps the model's own layers only
+    pack_weights: bool = True
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

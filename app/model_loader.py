@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from app.config import DEFAULT_MODEL, EngineConfig, dtype_name
 from app.errors import ModelLoadError
+from app.packed_linear import pack_linears, packing_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +299,14 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     if config.device_map is None:
         model = model.to(config.device)
     check_placement(model, config)
-    return model.eval()
+    model = model.eval()
+    if config.pack_weights:
+        reason = packing_unavailable(model)
+        if reason is None:
+            logger.info("packed %d linear layers into oneDNN's layout", pack_linears(model))
+        else:
+            logger.info("linear weights left unpacked: %s", reason)
+    return model
 
 
 def check_architecture(model: torch.nn.Module) -> None:

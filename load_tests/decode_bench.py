@@ -1,7 +1,8 @@
 """The decode step against the machine's floor, on the decode replica's thread count.
 
-Prints, for each dtype asked for (side by side, interleaved in rounds so that a busy spell
-of a shared machine hits every figure alike):
+Prints, for each variant asked for (a dtype, ``+packed`` for linear weights in oneDNN's
+layout, ``app.packed_linear``; side by side, interleaved in rounds so that a busy spell of a
+shared machine hits every figure alike):
 
 * the floor: one GEMV (``[1, K] @ [K, N]``) over as many bytes as the model's weights, the
   least a decode step must read;
@@ -11,7 +12,8 @@ of a shared machine hits every figure alike):
   the median step;
 * KV memory: tokens the running sequences hold over the tokens their blocks in use hold.
 
-    python -m load_tests.decode_bench [--dtypes float32,bfloat16] [--threads 1] [--rounds 5]
+    python -m load_tests.decode_bench [--variants float32+packed,float32,bfloat16]
+        [--threads 1] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -103,45 +105,83 @@ def join_gap(core: EngineCore, steps: int) -> dict[str, float]:
             "kv_efficiency_after_join": batch.kv_efficiency()}
 
 
-def measure(dtype: str, threads: int, rounds: int, steps: int) -> dict[str, float]:
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every parameter but the input embedding's (a
+    step reads only its rows); an LM head tied to the embedding is read once, as the head."""
+    embedding = model.get_input_embeddings()
+    seen: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        if module is embedding:
+            continue
+        for p in module.parameters(recurse=False):
+            seen[id(p)] = p
+    return sum(p.numel() * p.element_size() for p in seen.values())
+
+
+class Variant:
+    """One engine (dtype, packed or not) with its floor and its batch-1 and batch-8 runs."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        dtype, _, packed = name.partition("+")
+        self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype,
+                                            num_threads=threads,
+                                            pack_weights=packed == "packed"))
+        self.weight_bytes = step_weight_bytes(self.core.model)
+        self.floor = Floor(self.weight_bytes, self.core.runner.dtype)
+        self.b1 = Batch(self.core, [CONTEXT], seed=1)
+        self.b8 = Batch(self.core, [CONTEXT] * 8, seed=2)
+        self.rows: dict[str, list[float]] = {"floor_ms": [], "step1_ms": [], "step8_ms": []}
+
+    def round(self, steps: int) -> None:
+        self.rows["floor_ms"].append(_median_ms(self.floor, steps))
+        self.rows["step1_ms"].append(_median_ms(self.b1.step, steps))
+        self.rows["step8_ms"].append(_median_ms(self.b8.step, steps))
+
+    def summary(self, steps: int, join: bool = True) -> dict[str, float]:
+        out = {k: statistics.median(v) for k, v in self.rows.items()}
+        out.update(weight_mb=self.weight_bytes / 1e6, kv_efficiency_batch8=self.b8.kv_efficiency())
+        if join:
+            out.update(join_gap(self.core, steps))
+        out["step1_over_floor"] = out["step1_ms"] / out["floor_ms"]
+        out["step8_over_step1"] = out["step8_ms"] / out["step1_ms"]
+        out["ideal8_fraction"] = out["floor_ms"] / out["step8_ms"]  # tok/s / (8 per floor)
+        return out
+
+
+def measure(names: list[str], threads: int, rounds: int, steps: int,
+            join: bool = True) -> dict[str, dict]:
+    """Every variant's figures; rounds interleave the variants (and, in each, the floor and
+    both batches) so that a slow spell of a shared machine hits all of them alike."""
     torch.set_num_threads(threads)
-    core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype, num_threads=threads))
-    weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
-    floor = Floor(weight_bytes, core.runner.dtype)
-    b1 = Batch(core, [CONTEXT], seed=1)
-    b8 = Batch(core, [CONTEXT] * 8, seed=2)
-    rows: dict[str, list[float]] = {"floor_ms": [], "step1_ms": [], "step8_ms": []}
-    for _ in range(rounds):  # interleaved: a slow spell hits all three alike
-        rows["floor_ms"].append(_median_ms(floor, steps))
-        rows["step1_ms"].append(_median_ms(b1.step, steps))
-        rows["step8_ms"].append(_median_ms(b8.step, steps))
-    out = {k: statistics.median(v) for k, v in rows.items()}
-    out.update(weight_mb=weight_bytes / 1e6, kv_efficiency_batch8=b8.kv_efficiency(),
-               **join_gap(core, steps))
-    out["step1_over_floor"] = out["step1_ms"] / out["floor_ms"]
-    out["step8_over_step1"] = out["step8_ms"] / out["step1_ms"]
-    out["ideal8_fraction"] = out["floor_ms"] / out["step8_ms"]  # tok/s over 8 per floor time
-    return out
+    variants = {name: Variant(name, threads) for name in names}
+    for _ in range(rounds):
+        for variant in variants.values():
+            variant.round(steps)
+    return {name: v.summary(steps, join) for name, v in variants.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--variants", default="float32+packed,float32,bfloat16",
+                        help="comma-separated dtype[+packed]")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--no-join", action="store_true",
+                        help="skip the 1024-token join (floor and steps only)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    results = {d: measure(d, args.threads, args.rounds, args.steps)
-               for d in args.dtypes.split(",")}
+    results = measure(args.variants.split(","), args.threads, args.rounds, args.steps,
+                      join=not args.no_join)
     keys = ["weight_mb", "floor_ms", "step1_ms", "step8_ms", "step1_over_floor",
             "step8_over_step1", "ideal8_fraction", "median_step_ms", "join_step_ms",
             "longest_over_median", "kv_efficiency_batch8", "kv_efficiency_after_join"]
     print(f"decode step, {args.threads} thread(s), {CONTEXT}-token contexts")
-    print(f"{'figure':<26}" + "".join(f"{d:>12}" for d in results))
+    print(f"{'figure':<26}" + "".join(f"{v:>16}" for v in results))
     for k in keys:
-        print(f"{k:<26}" + "".join(f"{results[d][k]:>12.2f}" for d in results))
+        if all(k in r for r in results.values()):
+            print(f"{k:<26}" + "".join(f"{results[v][k]:>16.2f}" for v in results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

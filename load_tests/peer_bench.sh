@@ -15,7 +15,8 @@
 #   flock /tmp/splitserve-ray-cluster.lock \
 #     env PEER=<vLLM scratch folder> load_tests/peer_bench.sh [WORKLOAD ...]
 #
-# WORKLOAD: W-short (default; 64 in / 64 out, 64 prompts, 8 concurrent, seed 1), W-long
+# WORKLOAD: W-short (default; 64 in / 64 out, 64 prompts, 8 concurrent, seed 1), W-single
+# (64 in / 64 out, 8 prompts, one at a time, seed 5: TPOT at concurrency 1), W-long
 # (1024 in / 16 out, 16 prompts, 4 concurrent, seed 2), W-mixed (the peer's mixed.sh: 16
 # streams of 64 in / 256 out, 8 at a time, while 16 prompts of 1024 tokens arrive at 0.5/s;
 # seeds 3 and 4), or all.
@@ -44,9 +45,9 @@ die() { echo "peer_bench: $*" >&2; exit 2; }
 workloads=()
 for w in "${@:-W-short}"; do
   case $w in
-    W-short|W-long|W-mixed) workloads+=("$w") ;;
-    all) workloads+=(W-short W-long W-mixed) ;;
-    *) die "unknown workload '$w' (W-short, W-long, W-mixed, all)" ;;
+    W-short|W-single|W-long|W-mixed) workloads+=("$w") ;;
+    all) workloads+=(W-short W-single W-long W-mixed) ;;
+    *) die "unknown workload '$w' (W-short, W-single, W-long, W-mixed, all)" ;;
   esac
 done
 SERVERS=${SERVERS:-"vllm split"}
@@ -155,6 +156,7 @@ measure() {
     echo "== $server: $w"
     case $w in
       W-short) bench "${server}_W-short" "$port" "$served" 64 64 64 8 inf 1 || failed+=("${server}_W-short") ;;
+      W-single) bench "${server}_W-single" "$port" "$served" 64 64 8 1 inf 5 || failed+=("${server}_W-single") ;;
       W-long) bench "${server}_W-long" "$port" "$served" 1024 16 16 4 inf 2 || failed+=("${server}_W-long") ;;
       W-mixed)
         # mixed.sh: two clients at once (seeds 3 and 4), logs under $PEER/logs
@@ -220,6 +222,15 @@ run_app() {
   echo "== $server: stopping"
   serve_shutdown
 }
+
+# the floor a decode step stands against (one GEMV over the model's weight bytes on the decode
+# replica's one thread) and the engine's own step, in the same run as the servers
+if [ -x "$PY" ]; then
+  echo "== decode step against the floor (load_tests/decode_bench.py, one thread)"
+  "$PY" -m load_tests.decode_bench --variants float32+packed --rounds 3 --steps 6 --no-join \
+    --json "$OUT/decode_bench.json" 2>/dev/null | tee "$OUT/decode_bench.txt" \
+    || failed+=("decode_bench")
+fi
 
 for s in $SERVERS; do
   case $s in

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-WORKLOADS = ["W-short", "W-long", "W-mixed-streams", "W-mixed-long"]
+WORKLOADS = ["W-short", "W-single", "W-long", "W-mixed-streams", "W-mixed-long"]
 SERVERS = ["vllm", "split", "colocated"]
 SERVER_NAMES = {"vllm": "vLLM-CPU", "split": "split (`make run`)", "colocated": "colocated"}
 
@@ -99,6 +99,32 @@ def table(results: dict[tuple[str, str], dict], servers: list[str]) -> str:
     return "\n".join(lines)
 
 
+def floor_lines(folder: Path, results: dict[tuple[str, str], dict],
+                servers: list[str]) -> list[str]:
+    """The decode step's floor and the engine's own step (``decode_bench.json`` of the same
+    run) beside each server's TPOT at concurrency 1 (W-single) and tok/s at 8 (W-short)."""
+    path = folder / "decode_bench.json"
+    if not path.is_file():
+        return []
+    bench = next(iter(json.loads(path.read_text()).values()))
+    floor, step1 = bench["floor_ms"], bench["step1_ms"]
+    lines = ["", f"Decode floor (one GEMV over {bench['weight_mb']:.0f} MB, one thread): "
+             f"{floor:.1f} ms; engine step {step1:.1f} ms at batch 1, "
+             f"{bench['step8_ms']:.1f} ms at batch 8 ({bench['step8_over_step1']:.2f}x).", "",
+             "| server | W-single TPOT p50 / floor | / engine step | "
+             "W-short out tok/s / (8 per floor) |", "|---|---|---|---|"]
+    for server in servers:
+        single = results.get((server, "W-single"))
+        short = results.get((server, "W-short"))
+        tpot = _pct(single, "tpot", "50") if single else None
+        tps = short.get("output_throughput") if short else None
+        cells = [f"{tpot / floor:.2f}x" if tpot else "-",
+                 f"{tpot / step1:.2f}x" if tpot else "-",
+                 f"{tps / (8000 / floor):.2f}" if tps else "-"]
+        lines.append(f"| {SERVER_NAMES.get(server, server)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     found = {s for s, _ in results}
     servers = args.servers or ([s for s in SERVERS if s in found] + sorted(found - set(SERVERS)))
-    print(table(results, servers))
+    print("\n".join([table(results, servers),
+                     *floor_lines(args.results_dir, results, servers)]))
     return 0
 
 

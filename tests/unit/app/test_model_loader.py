@@ -22,6 +22,7 @@ from app.model_loader import (
     load_tokenizer,
     resolve_model,
 )
+from app.packed_linear import PackedLinear
 from tests.conftest import make_tiny_model
 
 # ---- resolve_model -------------------------------------------------------------------------
@@ -96,7 +97,7 @@ def test_load_local_hf_dir_matches_original(tmp_path):
     src = resolve_model(str(tmp_path / "tiny"))
     assert src.kind == "hf_dir" and src.location == str((tmp_path / "tiny").resolve())
 
-    loaded = load_model(EngineConfig(model=str(tmp_path / "tiny")))
+    loaded = load_model(EngineConfig(model=str(tmp_path / "tiny"), pack_weights=False))
     assert not loaded.training
     assert next(loaded.parameters()).dtype is torch.float32
     ids = torch.tensor([[5, 17, 300, 4000, 42, 7]])
@@ -105,6 +106,14 @@ def test_load_local_hf_dir_matches_original(tmp_path):
         got = loaded(ids).logits
     assert torch.allclose(got, expected, atol=1e-6, rtol=0)
     assert fingerprint(loaded).as_str() == fingerprint(model).as_str()
+
+    # by default (float32, CPU) the linears carry oneDNN-ordered copies: same model, logits
+    # equal to the last bits
+    packed = load_model(EngineConfig(model=str(tmp_path / "tiny")))
+    assert isinstance(packed.lm_head, PackedLinear)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, expected, atol=1e-4, rtol=1e-4)
+    assert fingerprint(packed).as_str() == fingerprint(model).as_str()
 
     bf16 = load_model(EngineConfig(model=str(tmp_path / "tiny"), dtype="bfloat16"))
     assert next(bf16.parameters()).dtype is torch.bfloat16

@@ -1,0 +1,87 @@
+"""Linear weights reordered into oneDNN's layout: same model, same tokens, one-row products
+exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from torch import nn
+
+from app.config import EngineConfig
+from app.engine_core import EngineCore
+from app.messages import PrefillRequest
+from app.model_loader import fingerprint
+from app.packed_linear import PackedLinear, pack_linears, packing_unavailable
+from app.sampling import SamplingParams
+from tests.conftest import hf_greedy, make_tiny_model
+
+pytestmark = pytest.mark.skipif(packing_unavailable(make_tiny_model()) is not None,
+                                reason="torch built without oneDNN")
+
+PROMPTS = [[5, 9, 13, 200, 7], [300, 41, 8], list(range(100, 140)), [77] * 12]
+
+
+def _linears(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear | PackedLinear)]
+
+
+def test_pack_swaps_every_linear_and_keeps_the_model():
+    model = make_tiny_model(seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    print_before = fingerprint(model)
+    names = _linears(model)
+    assert pack_linears(model) == len(names) == 2 * 7 + 1  # 7 per layer + the LM head
+    assert all(isinstance(model.get_submodule(n), PackedLinear) for n in names)
+    after = model.state_dict()
+    assert after.keys() == before.keys()  # the reordered copies are not state
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert fingerprint(model) == print_before  # KV stays exchangeable with unpacked peers
+    # the tied LM head still shares the embedding's weight
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@torch.inference_mode()
+def test_one_row_is_exact_and_more_rows_are_close():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=True)
+    packed = PackedLinear(linear)
+    one = torch.randn(1, 1, 64)
+    assert torch.equal(packed(one), linear(one))
+    many = torch.randn(8, 1, 64)
+    torch.testing.assert_close(packed(many), linear(many), rtol=1e-4, atol=1e-4)
+    prompt = torch.randn(2, 33, 64)[:, ::2]  # a non-contiguous input too
+    torch.testing.assert_close(packed(prompt), linear(prompt), rtol=1e-4, atol=1e-4)
+
+
+def test_refuses_what_it_cannot_pack():
+    model = make_tiny_model().to(torch.bfloat16)
+    assert packing_unavailable(model) == "the model is not float32"
+    with pytest.raises(ValueError, match="not float32"):
+        pack_linears(model)
+
+
+async def test_packed_engine_gives_the_plain_models_greedy_tokens():
+    """Prefill (many rows) and batched decode run the reordered weights; the greedy tokens
+    of a batch equal the plain model's generate(), each prompt alone."""
+    plain = make_tiny_model(seed=5)
+    expected = [hf_greedy(plain, p, 12) for p in PROMPTS]
+    packed = make_tiny_model(seed=5)
+    pack_linears(packed)
+    core = EngineCore(EngineConfig(max_batch_size=8), model=packed)
+    reqs = [PrefillRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=12, temperature=0.0,
+                                                             ignore_eos=True))
+            for i, p in enumerate(PROMPTS)]
+    packages = core.make_prefiller().make_packages(reqs)
+    loop = core.make_decode_loop(frozenset())
+
+    async def tokens(pkg) -> list[int]:
+        return [ev.token_id async for ev in loop.generate(pkg)]
+
+    try:
+        outs = await asyncio.gather(*(tokens(pkg) for pkg in packages))
+    finally:
+        await loop.close()
+    assert loop.decoder.steps < 12 * len(PROMPTS)  # the rows shared steps
+    assert outs == expected
