@@ -68,6 +68,12 @@ class EngineConfig:
     max_waiting: int = 64
     prefill_token_budget: int = 4096
     prefill_max_batch_size: int = 8
+    # a prompt is computed in passes of at most this many tokens (app.prefill)
+    prefill_chunk_tokens: int = 256
+    # a prompt that has waited this long leads every other prefill pass
+    prefill_fairness_s: float = 5.0
+    # KV of recent prompt prefixes kept by a prefill engine (app.prefix_cache); 0: off
+    prefix_cache_mb: int = 512
     cache_dir: str | None = None
     trust_remote_code: bool = False
     # float32 on the CPU: a second copy of each linear weight in oneDNN's layout for products
@@ -98,9 +104,11 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         for name in ("max_batch_size", "max_kv_tokens", "max_waiting", "prefill_token_budget",
-                     "prefill_max_batch_size"):
+                     "prefill_max_batch_size", "prefill_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_fairness_s < 0 or self.prefix_cache_mb < 0:
+            raise ValueError("prefill_fairness_s and prefix_cache_mb must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -22,6 +22,7 @@ from app.model_loader import fingerprint, load_model, load_tokenizer
 from app.model_runner import ModelRunner
 from app.output import GenerationOutput, StreamDelta, text_deltas
 from app.prefill import Prefiller
+from app.prefix_cache import PrefixCache
 from app.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,10 @@ class EngineCore:
         return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
 
     def make_prefiller(self) -> Prefiller:
-        return Prefiller(self.runner, self.fingerprint)
+        """A prefiller with its own prefix cache (``prefix_cache_mb``; none when 0)."""
+        mb = self.config.prefix_cache_mb
+        cache = PrefixCache(self.fingerprint, mb << 20) if mb > 0 else None
+        return Prefiller(self.runner, self.fingerprint, cache)
 
     def make_decode_loop(self, eos_token_ids: frozenset[int]) -> DecodeLoop:
         decoder = Decoder(

@@ -85,8 +85,9 @@ class KVPackage:
     first_token: int
     sampling: SamplingParams
     created_at: float  # time.time() when prefill returned it (KV-hop timing)
-    prefill_s: float = 0.0  # compute time of the batch this request was prefilled in
+    prefill_s: float = 0.0  # compute time of the passes this request was prefilled in
     output_offset: int = 0  # output index of first_token (non-zero for a resumed stream)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def seq_len(self) -> int:
@@ -114,6 +115,7 @@ class KVPackage:
         created_at: float,
         prefill_s: float = 0.0,
         output_offset: int = 0,
+        cached_tokens: int = 0,
     ) -> KVPackage:
         # kv: [layers, 2, kv_heads, seq_len, head_dim], contiguous, on any device
         assert kv.dim() == 5 and kv.shape[1] == 2, f"bad KV shape {tuple(kv.shape)}"
@@ -134,6 +136,7 @@ class KVPackage:
             created_at=created_at,
             prefill_s=prefill_s,
             output_offset=output_offset,
+            cached_tokens=cached_tokens,
         )
 
     def kv_tensor(self, device: str | torch.device = "cpu") -> torch.Tensor:

@@ -64,10 +64,11 @@ class StreamStart:
     kv_bytes: int
     kv_hop_s: float  # prefill returned -> this replica holds the package
     fetch_s: float  # time spent resolving the ObjectRef here
-    prefill_s: float  # compute time of the prefill batch that made the package
+    prefill_s: float  # compute time of the prefill passes that made the package
     local_prefill: bool = False  # prefilled by this decode replica (no KV hop)
     replica_id: str = ""  # the decode replica serving the stream
     prefill_done_at: float = 0.0  # time.time() when the prefill returned the package
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefill's prefix cache
 
 
 @dataclass(frozen=True, slots=True)

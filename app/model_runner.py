@@ -31,17 +31,25 @@ from app.paged_attention import PAGED_ATTENTION, PagedCacheView, PagedDecodeStep
 
 
 class _PrefillCollector:
-    """Cache stand-in for prefill: keeps each layer's keys/values, attends over them as is."""
+    """Cache stand-in for prefill: keeps each layer's new keys/values and attends over them,
+    after the row's earlier positions (``past``: per layer ``[B, kv_heads, P, head_dim]``
+    keys and values) when the pass continues prompts whose start is already computed."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int,
+                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.past = past
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [B, kv_heads, S, head_dim]
         self.keys[layer_idx] = key_states
         self.values[layer_idx] = value_states
-        return key_states, value_states
+        if self.past is None:
+            return key_states, value_states
+        past_k, past_v = self.past[layer_idx]
+        return (torch.cat([past_k.to(key_states), key_states], dim=2),
+                torch.cat([past_v.to(value_states), value_states], dim=2))
 
 
 def _module_device(module: torch.nn.Module, default: torch.device | None = None) -> torch.device:
@@ -129,13 +137,19 @@ class ModelRunner:
         return self.lm_head(self.norm(hidden)).float()
 
     @torch.inference_mode()
-    def forward_prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run prompts of any lengths as one right-padded batch.
+    def forward_prefill(self, prompts: list[list[int]],
+                        past: list[torch.Tensor | None] | None = None,
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run prompts (or the next chunks of prompts) of any lengths as one right-padded batch.
 
-        Returns logits at each prompt's last token [B, V] (float32) and, per prompt, its KV
-        ``[layers, 2, kv_heads, len_i, head_dim]`` (contiguous, KV dtype, on ``kv_device``).
-        Right padding needs no attention mask: under the causal mask a real token never sees
-        the pads that follow it.
+        ``past[i]``, when given and not None, is the KV of the positions before ``prompts[i]``
+        (``[layers, 2, kv_heads, P_i, head_dim]``: a cached prefix, earlier chunks): row ``i``
+        is computed at positions ``P_i..`` and attends to those too.
+
+        Returns logits at each row's last token [B, V] (float32) and, per row, the KV of its
+        tokens only ``[layers, 2, kv_heads, len_i, head_dim]`` (contiguous, KV dtype, on
+        ``kv_device``). Right padding needs no mask of its own: under the causal mask a real
+        token never sees the pads that follow it.
         """
         lens = [len(p) for p in prompts]
         bsz, seq = len(prompts), max(lens)
@@ -143,11 +157,16 @@ class ModelRunner:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(self.device)
-        positions = torch.arange(seq, device=self.device).unsqueeze(0).expand(bsz, seq)
-        collector = _PrefillCollector(len(self.layers))
+        has_past = past is not None and any(p is not None for p in past)
+        starts = [0 if not has_past or p is None else p.shape[3] for p in (past or [None] * bsz)]
+        positions = (torch.tensor(starts)[:, None] + torch.arange(seq)[None, :]).to(self.device)
+        mask, collector = None, _PrefillCollector(len(self.layers))
+        if has_past:
+            mask = self._past_mask(starts, seq).to(self.device)
+            collector.past = self._padded_past(past, starts)
         with self.lock:
             hidden = self.embed_tokens(ids)  # [B, S, H]
-            hidden = self._layers_forward(hidden, positions, None, collector)
+            hidden = self._layers_forward(hidden, positions, mask, collector)
             last = torch.tensor(lens, device=hidden.device) - 1
             logits = self._logits(hidden[torch.arange(bsz, device=hidden.device), last])
             kvs = []
@@ -163,6 +182,30 @@ class ModelRunner:
                     kv[layer_idx, 1] = collector.values[layer_idx][i, :, :n]
                 kvs.append(kv)
         return logits, kvs
+
+    @staticmethod
+    def _past_mask(starts: list[int], seq: int) -> torch.Tensor:
+        """[B, 1, S, Pmax + S] bool: row i's query q sees its own ``starts[i]`` earlier
+        positions (the rest of the padded past is masked) and its new tokens up to q."""
+        pmax = max(starts)
+        q = torch.arange(seq)[:, None]
+        k = torch.arange(pmax + seq)[None, :]
+        own_new = (k >= pmax) & (k - pmax <= q)  # [S, Pmax + S]
+        own_past = k[None] < torch.tensor(starts)[:, None, None]  # [B, 1, Pmax + S]
+        return (own_new[None] | own_past)[:, None]
+
+    def _padded_past(self, past: list[torch.Tensor | None],
+                     starts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) ``[B, kv_heads, Pmax, head_dim]``, each on its layer's
+        device, a shorter row zero-padded at the end (masked out)."""
+        lay, pmax = self.layout, max(starts)
+        padded = torch.zeros((lay.num_layers, 2, len(starts), lay.num_kv_heads, pmax,
+                              lay.head_dim), dtype=self.dtype, device=self.kv_device)
+        for i, kv in enumerate(past):
+            if kv is not None:
+                padded[:, :, i, :, : starts[i]] = kv.to(self.kv_device, self.dtype)
+        return [(padded[li, 0].to(dev), padded[li, 1].to(dev))
+                for li, dev in enumerate(self.layer_devices)]
 
     # ---- decode -------------------------------------------------------------------------
 

@@ -1,46 +1,83 @@
-"""Prefill: batch prompts under a token budget, sample each first token, emit KV packages."""
+"""Prefill: prompts in chunks under a token budget, a cached prefix reused, KV packages out.
+
+A prompt becomes a :class:`PrefillJob`. Its start may come from the prefix cache
+(``app.prefix_cache``); the rest is computed in passes of at most ``prefill_chunk_tokens``
+tokens per prompt, each pass attending to what earlier passes computed. A prompt is done
+(its first token sampled, its KV package made, its blocks cached) when its last chunk is.
+
+Which prompts share a pass (``Prefiller.plan_pass``):
+
+* shortest remaining first: a chat that arrives while a document is being prefilled gets
+  into the next pass, not behind the whole document;
+* fairness: once a prompt has waited ``prefill_fairness_s``, every other pass is led by the
+  longest-waiting such prompt, so a document keeps at least half the passes however many
+  short prompts arrive;
+* rows share a pass while ``rows x longest chunk`` fits ``prefill_token_budget``, rows stay
+  within ``prefill_max_batch_size``, and padding wastes at most a quarter of the computed
+  tokens (a 64-token chat is not padded to a 256-token chunk).
+
+``make_packages`` runs a list of prompts to completion (tests, benchmarks, the local
+engine); a server drives ``new_job`` / ``plan_pass`` / ``run_pass`` itself so that prompts
+arriving between passes join the queue (``deployments.replica.PrefillQueue``).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
 
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest
 from app.model_runner import ModelRunner
+from app.prefix_cache import PrefixCache
 from app.sampling import sample_tokens
 from app.sequence import validate_prompt
 
+# Padding may add at most this fraction of a pass's real tokens.
+MAX_PADDING = 0.25
 
-def plan_batches(
-    requests: list[PrefillRequest], token_budget: int, max_batch_size: int
-) -> Iterator[list[PrefillRequest]]:
-    """Group requests so each padded batch (rows x longest prompt) fits the token budget.
 
-    Requests are sorted by length so neighbours pad little; a prompt longer than the budget
-    runs alone.
-    """
-    batch: list[PrefillRequest] = []
-    longest = 0
-    for req in sorted(requests, key=lambda r: r.num_tokens):
-        n = req.num_tokens
-        if batch and (
-            (len(batch) + 1) * max(longest, n) > token_budget or len(batch) >= max_batch_size
-        ):
-            yield batch
-            batch, longest = [], 0
-        batch.append(req)
-        longest = max(longest, n)
-    if batch:
-        yield batch
+@dataclass(eq=False)
+class PrefillJob:
+    """One prompt on its way through prefill."""
+
+    req: PrefillRequest
+    arrived: float = field(default_factory=time.monotonic)
+    done: int = 0  # prompt positions whose KV exists (cached prefix + computed chunks)
+    cached: int = 0  # of those, taken from the prefix cache
+    parts: list[torch.Tensor] = field(default_factory=list)  # KV, in order along positions
+    compute_s: float = 0.0
+    passes: int = 0
+    cancelled: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return self.req.num_tokens - self.done
+
+    def kv(self) -> torch.Tensor | None:
+        """KV of positions ``0..done-1`` ``[layers, 2, kv_heads, done, head_dim]``."""
+        if len(self.parts) > 1:
+            self.parts = [torch.cat(self.parts, dim=3)]
+        return self.parts[0] if self.parts else None
 
 
 class Prefiller:
-    """Turns prompts into KV packages. Stateless between calls; thread-compatible."""
+    """Turns prompts into KV packages. Thread-compatible: plan on one thread, run passes on
+    the engine's; the prefix cache is thread-safe."""
 
-    def __init__(self, runner: ModelRunner, fingerprint: str) -> None:
+    def __init__(self, runner: ModelRunner, fingerprint: str,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.runner = runner
         self.fingerprint = fingerprint
+        self.prefix_cache = prefix_cache
+        cfg = runner.config
+        self.chunk_tokens = cfg.prefill_chunk_tokens
+        self.token_budget = cfg.prefill_token_budget
+        self.max_rows = cfg.prefill_max_batch_size
+        self.fairness_s = cfg.prefill_fairness_s
+        self._led_by_waiting = False  # the last pass was led by an over-waited prompt
 
     def validate(self, req: PrefillRequest) -> None:
         validate_prompt(
@@ -50,41 +87,108 @@ class Prefiller:
             vocab_size=self.runner.vocab_size,
         )
 
+    def new_job(self, req: PrefillRequest) -> PrefillJob:
+        """Validate ``req`` and start its job from its cached prefix, if any."""
+        self.validate(req)
+        assert req.sampling.seed is not None or req.sampling.greedy, "seed set at admission"
+        job = PrefillJob(req)
+        if self.prefix_cache is not None:
+            match = self.prefix_cache.match(req.prompt_token_ids)
+            job.parts, job.done, job.cached = list(match.blocks), match.tokens, match.tokens
+        return job
+
     def make_packages(self, requests: list[PrefillRequest]) -> list[KVPackage]:
         """One KV package per request, in the order given. Raises on an invalid request
         before any compute, so a bad prompt never costs the others a forward pass."""
-        for req in requests:
-            self.validate(req)
-            assert req.sampling.seed is not None or req.sampling.greedy, "seed set at admission"
-        cfg = self.runner.config
-        by_id: dict[str, KVPackage] = {}
-        for batch in plan_batches(requests, cfg.prefill_token_budget, cfg.prefill_max_batch_size):
-            for pkg in self._package_batch(batch):
-                by_id[pkg.request_id] = pkg
-        return [by_id[r.request_id] for r in requests]
+        jobs = [self.new_job(r) for r in requests]
+        by_job: dict[int, KVPackage] = {}
+        while len(by_job) < len(jobs):
+            rows = self.plan_pass([j for j in jobs if id(j) not in by_job])
+            for job, pkg in zip(rows, self.run_pass(rows), strict=True):
+                if pkg is not None:
+                    by_job[id(job)] = pkg
+        return [by_job[id(j)] for j in jobs]
 
-    def _package_batch(self, batch: list[PrefillRequest]) -> list[KVPackage]:
+    # ---- scheduling ------------------------------------------------------------------
+
+    def chunk_of(self, job: PrefillJob) -> int:
+        return min(job.remaining, self.chunk_tokens)
+
+    def plan_pass(self, jobs: list[PrefillJob], now: float | None = None) -> list[PrefillJob]:
+        """The jobs that share the next pass (each computes its next chunk); [] if none."""
+        live = [j for j in jobs if not j.cancelled and j.remaining > 0]
+        if not live:
+            return []
+        now = time.monotonic() if now is None else now
+        by_remaining = sorted(live, key=lambda j: (j.remaining, j.arrived))
+        waited = [j for j in live if now - j.arrived > self.fairness_s]
+        if waited and not self._led_by_waiting:
+            head = min(waited, key=lambda j: j.arrived)
+            self._led_by_waiting = True
+        else:
+            head = by_remaining[0]
+            self._led_by_waiting = False
+        rows = [head]
+        for job in by_remaining:
+            if len(rows) >= self.max_rows:
+                break
+            if job is not head and self._fits([*rows, job]):
+                rows.append(job)
+        return rows
+
+    def _fits(self, rows: list[PrefillJob]) -> bool:
+        chunks = [self.chunk_of(j) for j in rows]
+        padded = len(rows) * max(chunks)
+        if padded > self.token_budget or padded - sum(chunks) > MAX_PADDING * sum(chunks):
+            return False
+        pasts = [j.done for j in rows]  # a short past is padded to the longest (masked)
+        return len(rows) * max(pasts) - sum(pasts) <= self.token_budget
+
+    # ---- compute ---------------------------------------------------------------------
+
+    def run_pass(self, rows: list[PrefillJob]) -> list[KVPackage | None]:
+        """Compute each row's next chunk in one forward pass; a package for each row whose
+        prompt this finished, None for the others."""
         start = time.perf_counter()
-        prompts = [list(r.prompt_token_ids) for r in batch]
-        logits, kvs = self.runner.forward_prefill(prompts)  # [B, V], per request [L, 2, kvh, n, hd]
+        chunks = [list(j.req.prompt_token_ids[j.done : j.done + self.chunk_of(j)])
+                  for j in rows]
+        past = [j.kv() for j in rows]
+        logits, kvs = self.runner.forward_prefill(
+            chunks, past if any(p is not None for p in past) else None)
+        for job, chunk, kv in zip(rows, chunks, kvs, strict=True):
+            job.parts.append(kv)
+            job.done += len(chunk)
+            job.passes += 1
+        finished = [i for i, j in enumerate(rows) if j.remaining == 0]
         firsts = sample_tokens(
-            logits, [r.sampling for r in batch], [r.output_offset for r in batch],
-            history=prompts
-        )
+            logits[finished], [rows[i].req.sampling for i in finished],
+            [rows[i].req.output_offset for i in finished],
+            history=[list(rows[i].req.prompt_token_ids) for i in finished],
+        ) if finished else []
         elapsed = time.perf_counter() - start
-        now = time.time()
-        return [
-            KVPackage.from_tensor(
-                request_id=r.request_id,
-                fingerprint=self.fingerprint,
-                kv=kv,
-                prompt_token_ids=prompt,
-                first_token=first,
-                sampling=r.sampling,
-                vocab_size=self.runner.vocab_size,
-                created_at=now,
-                prefill_s=elapsed,
-                output_offset=r.output_offset,
-            )
-            for r, kv, prompt, first in zip(batch, kvs, prompts, firsts, strict=True)
-        ]
+        for job in rows:
+            job.compute_s += elapsed
+        out: list[KVPackage | None] = [None] * len(rows)
+        for i, first in zip(finished, firsts, strict=True):
+            out[i] = self._package(rows[i], first)
+        return out
+
+    def _package(self, job: PrefillJob, first: int) -> KVPackage:
+        kv = job.kv()
+        assert kv is not None and kv.shape[3] == job.req.num_tokens
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(job.req.prompt_token_ids, kv)
+        r = job.req
+        return KVPackage.from_tensor(
+            request_id=r.request_id,
+            fingerprint=self.fingerprint,
+            kv=kv,
+            prompt_token_ids=list(r.prompt_token_ids),
+            first_token=first,
+            sampling=r.sampling,
+            vocab_size=self.runner.vocab_size,
+            created_at=time.time(),
+            prefill_s=job.compute_s,
+            output_offset=r.output_offset,
+            cached_tokens=job.cached,
+        )

@@ -21,14 +21,14 @@ from ray import serve
 
 from app.messages import PrefillRequest, StreamStart, TokenEvent
 from deployments.metrics import PrefillMetrics
-from deployments.replica import DecodeReplica, PrefillBatcher
+from deployments.replica import DecodeReplica, PrefillQueue
 
 
 @serve.deployment(name="ColocatedServer")
 class ColocatedServer(DecodeReplica):
     def __init__(self, args: dict[str, Any]) -> None:
         super().__init__(args, "colocated")
-        self.batcher = PrefillBatcher(self.core, self.args.prefill_batch_wait_s,
+        self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
                                       PrefillMetrics())
 
     async def generate_local(self, req: PrefillRequest) -> AsyncIterator[StreamStart | TokenEvent]:
@@ -37,7 +37,8 @@ class ColocatedServer(DecodeReplica):
         package = await self.batcher.enqueue(req)
         yield StreamStart(self.node_id, package.kv_nbytes, time.time() - package.created_at, 0.0,
                           package.prefill_s, local_prefill=True, replica_id=self.replica_id,
-                          prefill_done_at=package.created_at)
+                          prefill_done_at=package.created_at,
+                          cached_tokens=package.cached_tokens)
         async for event in self._stream(package):
             yield event
 
@@ -51,4 +52,6 @@ class ColocatedServer(DecodeReplica):
             "prefills": b.requests_total,
             "prefill_tokens_total": b.tokens_total,
             "prefill_compute_s_total": b.compute_s_total,
+            "prefill_passes": b.passes,
+            **b.cache_stats(),
         }

@@ -42,7 +42,8 @@ class DecodeServer(DecodeReplica):
         self.hop_s_total += hop
         self.metrics.kv_hop_ms.observe(hop * 1000)
         yield StreamStart(self.node_id, package.kv_nbytes, hop, fetched - t0, package.prefill_s,
-                          replica_id=self.replica_id, prefill_done_at=package.created_at)
+                          replica_id=self.replica_id, prefill_done_at=package.created_at,
+                          cached_tokens=package.cached_tokens)
         async for event in self._stream(package):
             yield event
 
@@ -63,7 +64,8 @@ class DecodeServer(DecodeReplica):
         self.local_prefills += 1
         yield StreamStart(self.node_id, package.kv_nbytes, 0.0, 0.0, package.prefill_s,
                           local_prefill=True, replica_id=self.replica_id,
-                          prefill_done_at=package.created_at)
+                          prefill_done_at=package.created_at,
+                          cached_tokens=package.cached_tokens)
         async for event in self._stream(package):
             yield event
 

@@ -38,6 +38,25 @@ class PrefillMetrics:
                                     "or running in this replica.")
         self.waiting_requests = Gauge("splitserve_prefill_waiting_requests", "Prompts queued or "
                                       "running in this replica.")
+        self.cache_queried = Counter("splitserve_prefix_cache_queried_tokens_total",
+                                     "Prompt tokens looked up in the prefix cache.")
+        self.cache_hits = Counter("splitserve_prefix_cache_hit_tokens_total",
+                                  "Prompt tokens whose KV came from the prefix cache.")
+        self.cache_evictions = Counter("splitserve_prefix_cache_evictions_total",
+                                       "Prefix cache blocks evicted.")
+        self.cache_bytes = Gauge("splitserve_prefix_cache_bytes", "Bytes of KV in the prefix "
+                                 "cache.")
+        self._seen = (0, 0, 0)
+
+    def record_prefix_cache(self, cache) -> None:
+        """Bring the counters up to ``cache``'s totals (an ``app.prefix_cache.PrefixCache``)."""
+        now = (cache.queried_tokens, cache.hit_tokens, cache.evictions)
+        for counter, new, old in zip((self.cache_queried, self.cache_hits,
+                                      self.cache_evictions), now, self._seen, strict=True):
+            if new > old:
+                counter.inc(new - old)
+        self._seen = now
+        self.cache_bytes.set(cache.bytes)
 
 
 class DecodeMetrics:

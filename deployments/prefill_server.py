@@ -17,7 +17,7 @@ from app.messages import PrefillRequest
 from deployments import autoscaling
 from deployments.args import AppArgs
 from deployments.metrics import PrefillMetrics
-from deployments.replica import PrefillBatcher, current_replica_id, inject_fault
+from deployments.replica import PrefillQueue, current_replica_id, inject_fault
 
 
 @serve.deployment(name="PrefillServer")
@@ -27,7 +27,7 @@ class PrefillServer:
         self.core = EngineCore(self.args.engine_config("prefill"))
         self.throughput = autoscaling.ThroughputWindow()
         self.latency = autoscaling.LatencyWindow(self.args.prefill.latency_window_s)
-        self.batcher = PrefillBatcher(self.core, self.args.prefill_batch_wait_s,
+        self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
                                       PrefillMetrics(), on_batch=self.throughput.add)
         self.node_id = ray.get_runtime_context().get_node_id()
 
@@ -61,6 +61,8 @@ class PrefillServer:
             "completed": b.completed,
             "tokens_total": b.tokens_total,
             "compute_s_total": b.compute_s_total,
+            "passes": b.passes,
+            **b.cache_stats(),
             "autoscaling": self.record_autoscaling_stats(),
         }
 

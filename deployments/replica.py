@@ -1,4 +1,4 @@
-"""What the phase servers share: the batched prefill queue, the decode stream, and the
+"""What the phase servers share: the prefill queue, the decode stream, and the
 replica's identity, health check and fault injection."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from app.errors import ReplicaUnhealthyError
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest
 from app.model_loader import load_tokenizer
+from app.prefill import PrefillJob
 from deployments.args import AppArgs
 from deployments.metrics import DecodeMetrics, PrefillMetrics
 
@@ -51,68 +52,128 @@ async def inject_fault(args: AppArgs, core: EngineCore, kind: str, seconds: floa
     raise ValueError(f"unknown fault {kind!r}; expected 'stall' or 'crash'")
 
 
-def _batch_tokens(items: list[tuple[PrefillRequest, int]]) -> int:
-    return sum(weight for _, weight in items)
-
-
-class PrefillBatcher:
-    """Prompts waiting for prefill in one replica, batched with ``@serve.batch`` under the
-    token budget; counts what waits and what was computed."""
+class PrefillQueue:
+    """Prompts waiting for prefill in one replica and the task that computes them: pass
+    after pass (``Prefiller.plan_pass``: shortest remaining first, chunked, fair), each on
+    the engine's thread, so a prompt that arrives during a long prompt's prefill joins the
+    next pass. Counts what waits and what was computed."""
 
     def __init__(self, core: EngineCore, wait_s: float, metrics: PrefillMetrics,
                  on_batch: Callable[[int, int, float], None] | None = None) -> None:
         self.core = core
         self.prefiller = core.make_prefiller()
-        self.token_budget = core.config.prefill_token_budget
-        self._run_batch.set_max_batch_size(self.token_budget)
-        self._run_batch.set_batch_wait_timeout_s(wait_s)
+        self.wait_s = wait_s  # how long a first arrival waits for company
         self.metrics = metrics
-        self.on_batch = on_batch  # (requests, prompt tokens, seconds) of each computed batch
-        self.waiting_tokens = 0
+        self.on_batch = on_batch  # (prompts finished, prompt tokens computed, seconds) per pass
+        self.jobs: list[PrefillJob] = []
+        self._futures: dict[int, asyncio.Future] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.waiting_tokens = 0  # prompt tokens still to compute
         self.waiting_requests = 0
         self.completed = 0
         self.requests_total = 0  # prompts computed
-        self.tokens_total = 0  # prompt tokens computed
+        self.tokens_total = 0  # prompt tokens computed (cached ones not counted)
         self.compute_s_total = 0.0
+        self.passes = 0
 
     async def enqueue(self, req: PrefillRequest) -> KVPackage:
-        """Prefill one prompt (batched with others that arrive together)."""
-        self.prefiller.validate(req)
-        self._track(req.num_tokens, +1)
+        """Prefill one prompt (in passes shared with others); raises its validation error
+        before it queues."""
+        job = self.prefiller.new_job(req)
+        future = asyncio.get_running_loop().create_future()
+        self.jobs.append(job)
+        self._futures[id(job)] = future
+        self._track(job.remaining, +1)
+        self._record_cache()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
         try:
-            # a prompt longer than the budget weighs the whole budget and so runs alone
-            return await self._run_batch((req, min(req.num_tokens, self.token_budget)))
+            return await future
         finally:
-            self._track(req.num_tokens, -1)
+            job.cancelled = True  # a caller that gave up: its next pass is not computed
+            if id(job) in self._futures:
+                self._drop(job)
             self.completed += 1
 
-    def _track(self, tokens: int, sign: int) -> None:
-        self.waiting_tokens += sign * tokens
-        self.waiting_requests += sign
+    def _drop(self, job: PrefillJob) -> None:
+        self.jobs.remove(job)
+        del self._futures[id(job)]
+        self._track(-job.remaining, -1)
+
+    def _track(self, tokens: int, requests: int) -> None:
+        self.waiting_tokens += tokens
+        self.waiting_requests += requests
         self.metrics.waiting_tokens.set(self.waiting_tokens)
         self.metrics.waiting_requests.set(self.waiting_requests)
 
-    @serve.batch(max_batch_size=4096, batch_wait_timeout_s=0.005, batch_size_fn=_batch_tokens)
-    async def _run_batch(
-        self, items: list[tuple[PrefillRequest, int]]
-    ) -> list[KVPackage]:
-        requests = [req for req, _ in items]
-        start = time.perf_counter()
-        # the engine's thread, which also runs any decode step of this process
-        packages = await self.core.run(self.prefiller.make_packages, requests)
-        elapsed = time.perf_counter() - start
-        tokens = sum(r.num_tokens for r in requests)
-        self.requests_total += len(requests)
+    async def _run(self) -> None:
+        while True:
+            rows = self.prefiller.plan_pass(self.jobs)
+            if not rows:
+                self._wake.clear()
+                await self._wake.wait()
+                await asyncio.sleep(self.wait_s)  # let prompts that arrive together share
+                continue
+            before = [j.remaining for j in rows]
+            start = time.perf_counter()
+            try:
+                packages = await self.core.run(self.prefiller.run_pass, rows)
+                self._record_pass(rows, before, packages, time.perf_counter() - start)
+            except Exception as exc:  # the pass failed: its prompts fail, the queue goes on
+                for job in rows:
+                    self._finish(job, exc=exc)
+
+    def _record_pass(self, rows: list[PrefillJob], before: list[int],
+                     packages: list[KVPackage | None], elapsed: float) -> None:
+        computed = [b - j.remaining for j, b in zip(rows, before, strict=True)]
+        # a prompt whose caller left during the pass was already taken off the count
+        self._track(-sum(n for j, n in zip(rows, computed, strict=True)
+                         if id(j) in self._futures), 0)
+        tokens = sum(computed)
+        finished = [p for p in packages if p is not None]
+        self.passes += 1
+        self.requests_total += len(finished)
         self.tokens_total += tokens
         self.compute_s_total += elapsed
         if self.on_batch is not None:
-            self.on_batch(len(requests), tokens, elapsed)
-        self.metrics.batch_size.observe(len(requests))
+            self.on_batch(len(finished), tokens, elapsed)
+        self.metrics.batch_size.observe(len(rows))
         self.metrics.batch_tokens.observe(tokens)
         self.metrics.compute_ms.observe(elapsed * 1000)
-        for pkg in packages:
-            self.metrics.kv_bytes.observe(pkg.kv_nbytes)
-        return packages
+        for job, pkg in zip(rows, packages, strict=True):
+            if pkg is not None:
+                self.metrics.kv_bytes.observe(pkg.kv_nbytes)
+                self._finish(job, package=pkg)
+        self._record_cache()
+
+    def _finish(self, job: PrefillJob, package: KVPackage | None = None,
+                exc: BaseException | None = None) -> None:
+        future = self._futures.get(id(job))
+        if future is None:
+            return
+        self._drop(job)
+        if not future.done():
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(package)
+
+    def _record_cache(self) -> None:
+        cache = self.prefiller.prefix_cache
+        if cache is not None:
+            self.metrics.record_prefix_cache(cache)
+
+    def cache_stats(self) -> dict[str, float]:
+        cache = self.prefiller.prefix_cache
+        if cache is None:
+            return {"prefix_cache": 0}
+        return {"prefix_cache_blocks": len(cache), "prefix_cache_bytes": cache.bytes,
+                "prefix_cache_hit_rate": cache.hit_rate,
+                "prefix_cache_hit_tokens": cache.hit_tokens,
+                "prefix_cache_queried_tokens": cache.queried_tokens,
+                "prefix_cache_evictions": cache.evictions}
 
 
 class DecodeReplica:

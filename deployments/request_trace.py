@@ -84,7 +84,7 @@ class RequestTrace:
             out.update(decode_node=s.node_id, kv_bytes=s.kv_bytes, kv_hop_s=s.kv_hop_s,
                        kv_fetch_s=s.fetch_s, prefill_compute_s=s.prefill_s,
                        prefill_path="local" if s.local_prefill else "remote",
-                       decode_replica=s.replica_id)
+                       decode_replica=s.replica_id, cached_prompt_tokens=s.cached_tokens)
         if self.kv_locations is not None:
             out.update(kv_locations=self.kv_locations, kv_object_size=self.kv_object_size)
         return out

@@ -1,4 +1,5 @@
-"""Prefill: batch planning, batched == one-by-one, request validation."""
+"""Prefill: pass planning (budget, chunks, shortest first, fairness), chunked == whole,
+batched == one-by-one, request validation."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from app.config import EngineConfig
 from app.engine_core import EngineCore
 from app.errors import ContextLengthError, InvalidRequestError
 from app.messages import PrefillRequest
-from app.prefill import plan_batches
+from app.prefill import MAX_PADDING
 from app.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -21,60 +22,73 @@ def _req(rid: str, n: int, sampling: SamplingParams = GREEDY, start: int = 3) ->
     return PrefillRequest(rid, tuple(range(start, start + n)), sampling)
 
 
-@pytest.mark.parametrize(("budget", "max_bs"), [(64, 8), (100, 3), (1000, 4), (7, 8), (1, 1)])
-def test_plan_batches_respects_budget_and_size(budget, max_bs):
+def _jobs(prefiller, lengths, start_at=0.0):
+    jobs = [prefiller.new_job(_req(f"j{i}", n)) for i, n in enumerate(lengths)]
+    for i, job in enumerate(jobs):
+        job.arrived = start_at + i * 1e-3
+    return jobs
+
+
+@pytest.mark.parametrize(("budget", "max_bs", "chunk"),
+                         [(64, 8, 16), (100, 3, 64), (1000, 4, 256), (7, 8, 4), (1, 1, 1)])
+def test_plan_pass_respects_budget_rows_and_padding(tiny_model, budget, max_bs, chunk):
+    prefiller = _prefiller(tiny_model, prefill_token_budget=budget, prefill_max_batch_size=max_bs,
+                           prefill_chunk_tokens=chunk, prefill_fairness_s=1e9)
     rng = random.Random(budget * 31 + max_bs)
-    reqs = [_req(f"r{i}", rng.randrange(1, 60)) for i in range(40)]
-    batches = list(plan_batches(reqs, budget, max_bs))
-    ids = [r.request_id for b in batches for r in b]
-    assert sorted(ids) == sorted(r.request_id for r in reqs)  # every request exactly once
-    assert len(ids) == len(set(ids))
-    for b in batches:
-        assert 1 <= len(b) <= max_bs
-        padded = len(b) * max(r.num_tokens for r in b)
-        assert padded <= budget or len(b) == 1  # only a lone over-long prompt may exceed
+    jobs = _jobs(prefiller, [rng.randrange(1, 120) for _ in range(30)])
+    passes = 0
+    while any(j.remaining for j in jobs):
+        rows = prefiller.plan_pass(jobs, now=0.0)
+        chunks = [prefiller.chunk_of(j) for j in rows]
+        assert 1 <= len(rows) <= max_bs and max(chunks) <= chunk
+        padded = len(rows) * max(chunks)
+        assert padded <= budget or len(rows) == 1  # only a lone chunk may exceed
+        assert padded - sum(chunks) <= max(MAX_PADDING * sum(chunks), 0) or len(rows) == 1
+        for job, n in zip(rows, chunks, strict=True):  # stand-in for run_pass
+            job.done += n
+        passes += 1
+    assert passes <= sum(-(-j.req.num_tokens // chunk) for j in jobs)
 
 
-def test_plan_batches_packs_when_it_can():
-    reqs = [_req(f"r{i}", 10) for i in range(8)]
-    assert [len(b) for b in plan_batches(reqs, 40, 8)] == [4, 4]
-    assert [len(b) for b in plan_batches(reqs, 1000, 3)] == [3, 3, 2]
-    assert list(plan_batches([], 100, 4)) == []
-    # a prompt longer than the budget runs alone, the others still batch
-    mixed = [_req("long", 500), _req("a", 5), _req("b", 6)]
-    batches = [[r.request_id for r in b] for b in plan_batches(mixed, 100, 8)]
-    assert batches == [["a", "b"], ["long"]]
+def test_short_prompt_goes_before_a_long_prompts_next_chunk(tiny_model):
+    prefiller = _prefiller(tiny_model, prefill_chunk_tokens=32, prefill_fairness_s=1e9)
+    [doc] = _jobs(prefiller, [200])
+    assert prefiller.plan_pass([doc], now=0.0) == [doc]
+    doc.done += 32  # its first chunk ran; a chat arrives
+    chat = prefiller.new_job(_req("chat", 10))
+    assert prefiller.plan_pass([doc, chat], now=0.1) == [chat]  # 32 would pad 10 too much
+    chat.done = 10
+    assert prefiller.plan_pass([doc, chat], now=0.2) == [doc]
 
 
-def test_batched_prefill_equals_one_by_one(tiny_model):
-    core = EngineCore(EngineConfig(), model=tiny_model)
-    prefiller = core.make_prefiller()
-    rng = random.Random(4)
-    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 9, 30, 1)]
-    reqs = [PrefillRequest(f"p{i}", tuple(p), GREEDY) for i, p in enumerate(prompts)]
+def test_a_prompt_that_waited_leads_every_other_pass(tiny_model):
+    prefiller = _prefiller(tiny_model, prefill_chunk_tokens=32, prefill_fairness_s=2.0,
+                           prefill_max_batch_size=1)
+    [doc] = _jobs(prefiller, [200], start_at=0.0)
+    leaders = []
+    for t in range(8):  # a fresh short prompt arrives before every pass
+        chat = prefiller.new_job(_req(f"c{t}", 10))
+        chat.arrived = 3.0 + t
+        rows = prefiller.plan_pass([doc, chat], now=3.0 + t)
+        leaders.append("doc" if rows[0] is doc else "chat")
+        rows[0].done += prefiller.chunk_of(rows[0])
+    assert leaders == ["doc", "chat"] * 4
 
-    batch_sizes: list[int] = []
-    real_prefill = core.runner.forward_prefill
 
-    def counting(batch):
-        batch_sizes.append(len(batch))
-        return real_prefill(batch)
-
-    core.runner.forward_prefill = counting  # instance attribute: this core only
-    batched = prefiller.make_packages(reqs)
-    assert batch_sizes == [5]  # one padded forward pass for all of them
-    assert [p.request_id for p in batched] == [r.request_id for r in reqs]  # order kept
-
-    for req, pkg in zip(reqs, batched, strict=True):
-        [alone] = prefiller.make_packages([req])
-        assert pkg.first_token == alone.first_token
-        assert pkg.prompt_ids == list(req.prompt_token_ids)
-        assert pkg.seq_len == req.num_tokens
-        assert torch.allclose(pkg.kv_tensor(), alone.kv_tensor(), atol=1e-5, rtol=0)
-        with torch.no_grad():
-            ref = tiny_model(torch.tensor([list(req.prompt_token_ids)])).logits[0, -1]
-        assert pkg.first_token == int(ref.argmax())
-    assert batch_sizes[1:] == [1] * len(reqs)
+def test_chunked_prefill_equals_one_pass(tiny_model):
+    prompts = [list(range(3, 3 + n)) for n in (45, 7, 33)]
+    reqs = [PrefillRequest(f"c{i}", tuple(p), GREEDY) for i, p in enumerate(prompts)]
+    whole = _prefiller(tiny_model, prefix_cache_mb=0).make_packages(reqs)
+    chunked_prefiller = _prefiller(tiny_model, prefill_chunk_tokens=8, prefix_cache_mb=0)
+    calls = []
+    real = chunked_prefiller.runner.forward_prefill
+    chunked_prefiller.runner.forward_prefill = (
+        lambda batch, past=None: calls.append(max(map(len, batch))) or real(batch, past))
+    chunked = chunked_prefiller.make_packages(reqs)
+    assert max(calls) == 8 and len(calls) >= 45 // 8  # the long prompts took several passes
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.first_token == b.first_token
+        torch.testing.assert_close(a.kv_tensor(), b.kv_tensor(), atol=1e-5, rtol=0)
 
 
 def test_prefill_kv_matches_model_cache(tiny_model):
@@ -98,12 +112,12 @@ def test_prefill_uses_bounded_batches(tiny_model):
     sizes: list[tuple[int, int]] = []
     real_prefill = core.runner.forward_prefill
 
-    def recording(batch):
+    def recording(batch, past=None):
         sizes.append((len(batch), max(len(p) for p in batch)))
-        return real_prefill(batch)
+        return real_prefill(batch, past)
 
     core.runner.forward_prefill = recording
-    reqs = [_req(f"b{i}", n) for i, n in enumerate((5, 12, 8, 20, 3, 15))]
+    reqs = [_req(f"b{i}", n) for i, n in enumerate((15, 12, 16, 20, 13, 15))]
     pkgs = core.make_prefiller().make_packages(reqs)
     assert [p.request_id for p in pkgs] == [r.request_id for r in reqs]
     assert sum(n for n, _ in sizes) == len(reqs)
@@ -159,7 +173,8 @@ def test_invalid_request_fails_batch_before_compute(tiny_model):
     prefiller = _prefiller(tiny_model, max_model_len=32)
     calls = []
     real_prefill = prefiller.runner.forward_prefill
-    prefiller.runner.forward_prefill = lambda batch: calls.append(batch) or real_prefill(batch)
+    prefiller.runner.forward_prefill = (
+        lambda batch, past=None: calls.append(batch) or real_prefill(batch, past))
     with pytest.raises(ContextLengthError):
         prefiller.make_packages([_req("good", 5), _req("bad", 40)])
     assert calls == []
