@@ -138,6 +138,16 @@ class PhaseArgs(_Deployment):
 
 
 class PrefillPhaseArgs(PhaseArgs):
+    # Prompts that start alike go to the replica whose prefix cache holds their start
+    # (deployments.prefix_router), unless it is busier than the rest.
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        **PhaseArgs.DEFAULTS,
+        "request_router_config": {
+            "request_router_class": "deployments.prefix_router.PrefixAffinityRouter",
+            "request_router_kwargs": {"prefix_tokens": 64, "imbalance": 4},
+        },
+    }
+
     resource_tag: str | None = "prefill_accel"
     scaling: PrefillParams = Field(
         default_factory=PrefillParams, description="The prefill policy's parameters "

@@ -262,6 +262,26 @@ def test_request_history_limit_is_checked(url):
 # ---- overload and time --------------------------------------------------------------------
 
 
+def test_prompts_sharing_a_start_reuse_one_prefill_replicas_cache(url):
+    """Two prefill replicas: prompts with the same first 64 tokens are routed to the same
+    one (deployments.prefix_router), whose prefix cache serves their shared blocks."""
+    def hits() -> dict[str, int]:
+        return {rid: st["prefix_cache_hit_tokens"]
+                for rid, st in all_stats("PrefillServer").items()}
+
+    before = hits()
+    shared = [7000 + i for i in range(64)]  # a start no other test sends
+    for user in range(4):  # 80 tokens each: 4 cacheable blocks of 16 + a fresh end
+        body = {"prompt": shared + [3000 + 16 * user + i for i in range(16)],
+                "max_tokens": 2, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
+    gained = {rid: n - before.get(rid, 0) for rid, n in hits().items()}
+    # the 2nd to 4th prompts found the 64 shared tokens on the replica that computed them
+    assert sorted(gained.values())[-1] == 3 * 64, gained
+    assert sum(gained.values()) == 3 * 64, gained
+
+
 def test_burst_past_capacity_gets_429_at_once_and_server_stays_responsive(url):
     async def burst():
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
