@@ -13,6 +13,7 @@ onto its own GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import warnings
 from dataclasses import dataclass
@@ -88,6 +89,8 @@ class KVPackage:
     prefill_s: float = 0.0  # compute time of the passes this request was prefilled in
     output_offset: int = 0  # output index of first_token (non-zero for a resumed stream)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # n > 1: answer k's first token (sampled with sampling.for_choice(k)); () for n = 1
+    choice_first_tokens: tuple[int, ...] = ()
 
     @property
     def seq_len(self) -> int:
@@ -116,6 +119,7 @@ class KVPackage:
         prefill_s: float = 0.0,
         output_offset: int = 0,
         cached_tokens: int = 0,
+        choice_first_tokens: tuple[int, ...] = (),
     ) -> KVPackage:
         # kv: [layers, 2, kv_heads, seq_len, head_dim], contiguous, on any device
         assert kv.dim() == 5 and kv.shape[1] == 2, f"bad KV shape {tuple(kv.shape)}"
@@ -137,7 +141,19 @@ class KVPackage:
             prefill_s=prefill_s,
             output_offset=output_offset,
             cached_tokens=cached_tokens,
+            choice_first_tokens=choice_first_tokens,
         )
+
+    def for_choice(self, k: int) -> KVPackage:
+        """Answer ``k`` of a package made for several: its own request id, first token and
+        seed, the same KV (shared, not copied)."""
+        if not self.choice_first_tokens:
+            if k != 0:
+                raise ValueError(f"package {self.request_id} holds one answer, not answer {k}")
+            return self
+        return dataclasses.replace(
+            self, request_id=f"{self.request_id}/{k}", first_token=self.choice_first_tokens[k],
+            sampling=self.sampling.for_choice(k), choice_first_tokens=())
 
     def kv_tensor(self, device: str | torch.device = "cpu") -> torch.Tensor:
         """The KV as a torch tensor on ``device`` (zero-copy on CPU);

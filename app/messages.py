@@ -50,6 +50,8 @@ class PrefillRequest:
     # Output tokens a client already received before this prompt was (re)built: a resumed
     # stream re-prefills prompt + those tokens, and sampling steps continue from here.
     output_offset: int = 0
+    # Answers wanted (OpenAI's n): one prefill, a first token per answer (seeds seed + k)
+    n: int = 1
 
     @property
     def num_tokens(self) -> int:

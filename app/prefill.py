@@ -160,20 +160,26 @@ class Prefiller:
             job.done += len(chunk)
             job.passes += 1
         finished = [i for i, j in enumerate(rows) if j.remaining == 0]
-        firsts = sample_tokens(
-            logits[finished], [rows[i].req.sampling for i in finished],
-            [rows[i].req.output_offset for i in finished],
-            history=[list(rows[i].req.prompt_token_ids) for i in finished],
-        ) if finished else []
+        # one draw per answer (n > 1: answer k with its own seed) from the row's last logits
+        draws = [(i, k) for i in finished for k in range(rows[i].req.n)]
+        tokens = sample_tokens(
+            logits[[i for i, _ in draws]],
+            [rows[i].req.sampling.for_choice(k) for i, k in draws],
+            [rows[i].req.output_offset for i, _ in draws],
+            history=[list(rows[i].req.prompt_token_ids) for i, _ in draws],
+        ) if draws else []
+        firsts: dict[int, list[int]] = {}
+        for (i, _), token in zip(draws, tokens, strict=True):
+            firsts.setdefault(i, []).append(token)
         elapsed = time.perf_counter() - start
         for job in rows:
             job.compute_s += elapsed
         out: list[KVPackage | None] = [None] * len(rows)
-        for i, first in zip(finished, firsts, strict=True):
-            out[i] = self._package(rows[i], first)
+        for i in finished:
+            out[i] = self._package(rows[i], firsts[i])
         return out
 
-    def _package(self, job: PrefillJob, first: int) -> KVPackage:
+    def _package(self, job: PrefillJob, firsts: list[int]) -> KVPackage:
         kv = job.kv()
         assert kv is not None and kv.shape[3] == job.req.num_tokens
         if self.prefix_cache is not None:
@@ -184,11 +190,12 @@ class Prefiller:
             fingerprint=self.fingerprint,
             kv=kv,
             prompt_token_ids=list(r.prompt_token_ids),
-            first_token=first,
+            first_token=firsts[0],
             sampling=r.sampling,
             vocab_size=self.runner.vocab_size,
             created_at=time.time(),
             prefill_s=job.compute_s,
             output_offset=r.output_offset,
             cached_tokens=job.cached,
+            choice_first_tokens=tuple(firsts) if r.n > 1 else (),
         )

@@ -2,8 +2,8 @@
 
 Requests forbid unknown fields, so an option this server does not implement gets a 400 that
 names it instead of being silently ignored. Fields that OpenAI clients commonly send with
-their neutral value (``n=1``, ``presence_penalty=0``, ``logprobs=false``...) are accepted only
-with that value.
+their neutral value (``presence_penalty=0``, ``logprobs=false``...) are accepted only with
+that value.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from app.messages import FinishReason
 from app.sampling import SamplingParams
 
 MAX_STOP = 16
+MAX_N = 8  # answers per request (n): one prefill, n decode streams
 
 
 class _Neutral(BaseModel):
@@ -26,7 +27,9 @@ class _Neutral(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    n: int | None = Field(1, description="Number of choices; only 1 is supported.")
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(
+        1, description=f"Number of answers (1 to {MAX_N}): the prompt is prefilled once and "
+        "answer k samples with seed + k.")
     best_of: int | None = Field(None, description="Only 1 (or unset) is supported.")
     presence_penalty: float | None = Field(0.0, description="Only 0 is supported.")
     frequency_penalty: float | None = Field(0.0, description="Only 0 is supported.")
@@ -36,7 +39,6 @@ class _Neutral(BaseModel):
     @model_validator(mode="after")
     def _neutral_only(self):
         checks = {
-            "n": self.n in (None, 1),
             "best_of": self.best_of in (None, 1),
             "presence_penalty": not self.presence_penalty,
             "frequency_penalty": not self.frequency_penalty,

@@ -74,6 +74,14 @@ class SamplingParams:
             return self
         return replace(self, seed=secrets.randbits(63))
 
+    def for_choice(self, k: int) -> SamplingParams:
+        """The settings of answer ``k`` of a request for several (OpenAI's ``n``): its own
+        seed, ``seed + k``; answer 0 is the request itself. Greedy answers are all alike."""
+        if k == 0 or (self.seed is None and self.greedy):
+            return self
+        assert self.seed is not None, "seed set at admission"
+        return replace(self, seed=(self.seed + k) % (1 << 63))
+
     def check_vocab(self, vocab_size: int) -> None:
         for t in self.stop_token_ids:
             if t >= vocab_size:

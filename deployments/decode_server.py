@@ -27,15 +27,20 @@ class DecodeServer(DecodeReplica):
         self.kv_bytes_received = 0
         self.hop_s_total = 0.0
 
-    async def generate(self, wrapped_ref: list[ray.ObjectRef]) -> AsyncIterator[Any]:
+    async def generate(self, wrapped_ref: list[ray.ObjectRef],
+                       choice: int | None = None) -> AsyncIterator[Any]:
         """Stream one request: a :class:`StreamStart`, then :class:`TokenEvent` items.
 
         ``wrapped_ref`` holds the KV package's ObjectRef inside a list so Ray passes it here
         unresolved; this replica resolves it, pulling the bytes from the prefill node.
+        ``choice`` picks one answer of a package made for several (``n > 1``): one object
+        in the store, read by one stream per answer.
         """
         t0 = time.time()
         package: KVPackage = await wrapped_ref[0]
         wrapped_ref.clear()  # drop our reference: the object can be freed once copied in
+        if choice is not None:
+            package = package.for_choice(choice)
         fetched = time.time()
         hop = fetched - package.created_at
         self.kv_bytes_received += package.kv_nbytes

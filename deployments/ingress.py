@@ -6,6 +6,7 @@ phases (``deployments.split_path``), detokenizes the token stream and shapes the
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the real types.
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -40,12 +41,13 @@ from deployments.openai_api import (
     api,
     completion_body,
     error_response,
+    merge_streams,
     sse_response,
     stream_chunks,
     validation_error,
 )
 from deployments.request_trace import RequestTrace, TraceHistory
-from deployments.split_path import SplitPath, unwrap_error
+from deployments.split_path import SplitPath, choice_request, unwrap_error
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 
@@ -108,20 +110,23 @@ class Ingress:
         sampling = req.sampling_params(default_max).with_seed()
         validate_prompt(ids, sampling, max_model_len=max_len, vocab_size=self.shape.vocab_size,
                         param=endpoint.prompt_param)
-        return PrefillRequest(new_id(endpoint.id_prefix), tuple(ids), sampling)
+        return PrefillRequest(new_id(endpoint.id_prefix), tuple(ids), sampling, n=req.n or 1)
 
     # ---- generation ----------------------------------------------------------------------
 
     async def deltas(self, endpoint: Endpoint, preq: PrefillRequest,
-                     trace: RequestTrace | None = None) -> AsyncIterator[StreamDelta]:
-        """The text of one request as it is generated, with its accounting: in-flight count,
-        request outcome, TTFT/TPOT metrics and the trace kept for ``GET /debug/requests``."""
+                     trace: RequestTrace | None = None,
+                     shared: tuple[ray.ObjectRef, int] | None = None,
+                     ) -> AsyncIterator[StreamDelta]:
+        """The text of one answer as it is generated, with its accounting: in-flight count,
+        request outcome, TTFT/TPOT metrics and the trace kept for ``GET /debug/requests``.
+        ``shared``: the answer's first attempt reads a package made for several."""
         trace = trace or RequestTrace()
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
         outcome = "cancelled"  # the client left before the end (the generator was closed)
         try:
-            async for delta in text_deltas(self.path.resumable_stream(preq, trace),
+            async for delta in text_deltas(self.path.resumable_stream(preq, trace, shared),
                                            self.tokenizer, preq.sampling):
                 first = trace.first_token is None
                 trace.token(len(delta.token_ids))
@@ -140,17 +145,53 @@ class Ingress:
             if trace.tpot_s is not None:
                 self.metrics.tpot_ms.observe(trace.tpot_s * 1000)
 
+    async def answers(self, endpoint: Endpoint, preq: PrefillRequest,
+                      trace: RequestTrace | None = None) -> list[AsyncIterator[StreamDelta]]:
+        """One delta stream per answer. ``n > 1``: the prompt is prefilled once (a first token
+        per answer) and every answer's decode stream reads that one KV object."""
+        if preq.n == 1:
+            return [self.deltas(endpoint, preq, trace)]
+        ref = await self.path.shared_prefill(preq)
+        return [self.deltas(endpoint, choice_request(preq, k),
+                            shared=None if ref is None else (ref, k))
+                for k in range(preq.n)]
+
     async def complete(self, endpoint: Endpoint, req: GenerationRequest,
                        trace: RequestTrace | None = None) -> dict[str, Any]:
-        """The whole answer of a non-streamed request."""
+        """The whole answer of a non-streamed request (``trace``: of its first answer)."""
         preq = self.prepare(endpoint, req)
-        text, n_out, finish = "", 0, None
-        async for delta in self.deltas(endpoint, preq, trace):
-            text += delta.text
-            n_out += len(delta.token_ids)
-            finish = delta.finish_reason or finish
-        return completion_body(endpoint, preq.request_id, self.model_name, text, finish,
-                               preq.num_tokens, n_out)
+        streams = await self.answers(endpoint, preq, trace)
+
+        async def collect(stream: AsyncIterator[StreamDelta]) -> tuple[str, int, Any]:
+            text, n_out, finish = "", 0, None
+            async for delta in stream:
+                text += delta.text
+                n_out += len(delta.token_ids)
+                finish = delta.finish_reason or finish
+            return text, n_out, finish
+
+        tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # one answer failed (or the client left): stop the others
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return completion_body(endpoint, preq.request_id, self.model_name,
+                               [(text, finish) for text, _, finish in results],
+                               preq.num_tokens, sum(n for _, n, _ in results))
+
+    async def indexed_deltas(self, endpoint: Endpoint,
+                             preq: PrefillRequest) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """(answer index, delta) of every answer, as they come."""
+        streams = await self.answers(endpoint, preq)
+        if len(streams) == 1:
+            async for delta in streams[0]:
+                yield 0, delta
+            return
+        async for item in merge_streams(streams):
+            yield item
 
     def chunks(self, endpoint: Endpoint,
                req: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
@@ -158,7 +199,7 @@ class Ingress:
         preq = self.prepare(endpoint, req)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return stream_chunks(endpoint, preq.request_id, self.model_name, preq.num_tokens,
-                             self.deltas(endpoint, preq), include_usage)
+                             self.indexed_deltas(endpoint, preq), include_usage)
 
     async def answer(self, endpoint: Endpoint, req: GenerationRequest):
         try:

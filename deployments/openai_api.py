@@ -8,11 +8,12 @@ request and response in ``/openapi.json``. Bad input is answered with OpenAI-sha
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` type.
+import asyncio
 import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +41,8 @@ from app.protocol import (
     now,
 )
 from deployments.split_path import unwrap_error
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -197,47 +200,86 @@ def _reason(finish: FinishReason | None) -> str | None:
     return None if finish is None else finish.value
 
 
-def completion_body(endpoint: Endpoint, request_id: str, model: str, text: str,
-                    finish: FinishReason | None, prompt_tokens: int,
+def completion_body(endpoint: Endpoint, request_id: str, model: str,
+                    answers: list[tuple[str, FinishReason | None]], prompt_tokens: int,
                     completion_tokens: int) -> dict[str, Any]:
-    """A whole (non-streamed) answer as a JSON-ready dict."""
-    choice: ChatChoice | CompletionChoice
+    """A whole (non-streamed) answer as a JSON-ready dict: one choice per (text, finish)."""
+    choices: list[ChatChoice] | list[CompletionChoice]
     if endpoint is Endpoint.CHAT:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)
+        choices = [ChatChoice(index=k, message=AssistantMessage(content=text),
+                              finish_reason=finish)
+                   for k, (text, finish) in enumerate(answers)]
     else:
-        choice = CompletionChoice(text=text, finish_reason=finish)
+        choices = [CompletionChoice(index=k, text=text, finish_reason=finish)
+                   for k, (text, finish) in enumerate(answers)]
     return CompletionResponse(
         id=request_id, object=endpoint.object_name, created=now(), model=model,
-        choices=[choice], usage=Usage.of(prompt_tokens, completion_tokens),
+        choices=choices, usage=Usage.of(prompt_tokens, completion_tokens),
     ).model_dump(mode="json")
 
 
 async def stream_chunks(endpoint: Endpoint, request_id: str, model: str, prompt_tokens: int,
-                        deltas: AsyncIterator[StreamDelta],
+                        deltas: AsyncIterator[tuple[int, StreamDelta]],
                         include_usage: bool) -> AsyncIterator[dict[str, Any]]:
     """The chunk dicts of a streamed answer (the shape of ``app.protocol.StreamChunk``,
-    built as plain dicts: this runs once per token)."""
+    built as plain dicts: this runs once per token). ``deltas`` yields (choice index,
+    delta); each choice's first chunk is sent even when empty (it carries the role)."""
     head = {"id": request_id, "object": endpoint.chunk_object_name, "created": now(),
             "model": model}
     chat = endpoint is Endpoint.CHAT
-    first = True
+    started: set[int] = set()
     n_out = 0
-    async for delta in deltas:
+    async for index, delta in deltas:
         n_out += len(delta.token_ids)
+        first = index not in started
         if not (delta.text or delta.finish_reason or first):
             continue
         finish = _reason(delta.finish_reason)
         if chat:
             content: dict[str, Any] = ({"role": "assistant", "content": delta.text} if first
                                        else {"content": delta.text})
-            choice = {"index": 0, "delta": content, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": delta.text, "finish_reason": finish,
+            choice = {"index": index, "delta": content, "finish_reason": finish,
                       "logprobs": None}
-        first = False
+        else:
+            choice = {"index": index, "text": delta.text, "finish_reason": finish,
+                      "logprobs": None}
+        started.add(index)
         yield {**head, "choices": [choice]}
     if include_usage:
         yield {**head, "choices": [], "usage": Usage.of(prompt_tokens, n_out).model_dump()}
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(index, item) of several async iterators, as each produces; the first error ends all
+    of them (and propagates), as does closing the merged stream."""
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(k: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((k, item, None, False))
+        except Exception as exc:
+            await queue.put((k, None, exc, True))
+        else:
+            await queue.put((k, None, None, True))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            k, item, exc, done = await queue.get()
+            if exc is not None:
+                raise exc
+            if done:
+                live -= 1
+            else:
+                yield k, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -68,6 +68,13 @@ def resume_request(preq: PrefillRequest, delivered: list[int], attempt: int) -> 
     )
 
 
+def choice_request(preq: PrefillRequest, k: int) -> PrefillRequest:
+    """Answer ``k`` of a request for several (``n``), as a request of its own: what a retry of
+    that answer prefills again (its own id and seed, the same prompt)."""
+    return PrefillRequest(f"{preq.request_id}/{k}", preq.prompt_token_ids,
+                          preq.sampling.for_choice(k), output_offset=preq.output_offset)
+
+
 class SplitPath:
     """Runs requests through the phases.
 
@@ -106,14 +113,46 @@ class SplitPath:
     def _prefills_locally(self, preq: PrefillRequest) -> bool:
         return self.prefill is None or preq.num_tokens < self.local_prefill_threshold
 
-    async def prefill_then_decode(self, preq: PrefillRequest,
-                                  trace: RequestTrace) -> AsyncIterator[TokenEvent]:
+    async def shared_prefill(self, preq: PrefillRequest) -> ray.ObjectRef | None:
+        """``n > 1``: prefill the prompt once, a first token per answer, and return the
+        package's ref for every answer's first attempt. None where each answer prefills on
+        its own: prompts prefilled on the decode replica (and the colocated app), or when the
+        prefill phase cannot be reached (each answer then goes its own way, with retries)."""
+        if self._prefills_locally(preq):
+            return None
+        call = self.prefill.make_kv_package.remote(preq)
+        try:
+            return await asyncio.wait_for(call._to_object_ref(), self.request_timeout_s)
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+            call.cancel()
+            raise RequestTimeoutError(
+                f"request {preq.request_id} took longer than the server's request timeout "
+                f"({self.request_timeout_s:g} s); its work was stopped") from None
+        except Exception as exc:
+            call.cancel()
+            if not is_retryable(exc):
+                raise
+            logger.warning("request %s: shared prefill failed (%s); each answer prefills "
+                           "on its own", preq.request_id, type(unwrap_error(exc)).__name__)
+            return None
+        except BaseException:
+            call.cancel()
+            raise
+
+    async def prefill_then_decode(self, preq: PrefillRequest, trace: RequestTrace,
+                                  shared: tuple[ray.ObjectRef, int] | None = None,
+                                  ) -> AsyncIterator[TokenEvent]:
         """One attempt: the prefill replica makes the KV package and the ingress keeps only
         its ObjectRef; the decode replica resolves the ref on its own node and streams the
-        tokens. Short prompts (and the colocated app) are prefilled on the decode replica."""
+        tokens. Short prompts (and the colocated app) are prefilled on the decode replica.
+        ``shared`` (a package made for several answers, and which answer this is) skips the
+        prefill: every answer's stream reads the one object."""
         ref: ray.ObjectRef | None = None
         prefill_call = None
-        if self._prefills_locally(preq):
+        if shared is not None:
+            ref, choice = shared
+            stream = self.decode.options(stream=True).generate.remote([ref], choice)
+        elif self._prefills_locally(preq):
             stream = self.decode.options(stream=True).generate_local.remote(preq)
         else:
             prefill_call = self.prefill.make_kv_package.remote(preq)
@@ -140,8 +179,9 @@ class SplitPath:
             if prefill_call is not None:
                 prefill_call.cancel()  # a prompt still queued for prefill is dropped
 
-    async def resumable_stream(self, preq: PrefillRequest,
-                               trace: RequestTrace) -> AsyncIterator[TokenEvent]:
+    async def resumable_stream(self, preq: PrefillRequest, trace: RequestTrace,
+                               shared: tuple[ray.ObjectRef, int] | None = None,
+                               ) -> AsyncIterator[TokenEvent]:
         """The token stream of ``preq``, surviving replica and node failures and bounded in
         time.
 
@@ -150,6 +190,7 @@ class SplitPath:
         another decode replica: sampling continues at the same output index, so the client
         sees no missing and no duplicated token (greedy: the undisturbed text). After
         ``max_retries`` re-runs, or past ``request_timeout_s``, it ends with an error.
+        ``shared`` serves the first attempt from a package made for several answers.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout_s
@@ -157,7 +198,8 @@ class SplitPath:
         attempt = 0
         current = preq
         while True:
-            events = self.prefill_then_decode(current, trace).__aiter__()
+            events = self.prefill_then_decode(current, trace, shared).__aiter__()
+            shared = None  # a retry prefills this answer alone
             try:
                 while True:
                     remaining = deadline - loop.time()
@@ -174,7 +216,7 @@ class SplitPath:
                     yield event
                     if event.finish_reason is not None:
                         return
-            except TimeoutError:
+            except (TimeoutError, asyncio.TimeoutError):  # the same class from Python 3.11
                 raise RequestTimeoutError(
                     f"request {preq.request_id} took longer than the server's request timeout "
                     f"({self.request_timeout_s:g} s); its work was stopped") from None

@@ -4,6 +4,7 @@ KV ownership and bad input."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -129,13 +130,45 @@ def test_handle_call_and_streaming_handle_call(split_app, reference):
     assert chunks[-1]["choices"][0]["finish_reason"] == reference[0].finish_reason
 
 
+def test_n_answers_share_one_prefill(split_app, reference):
+    """n = 3: the prompt is prefilled once (one prefill in the replica's count), each answer
+    streams from its own decode sequence; greedy answers are the reference, sampled ones
+    follow their seeds (the same request twice gives the same answers)."""
+    prefill = serve.get_deployment_handle("PrefillServer", APP)
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 24,
+            "temperature": 0, "n": 3}
+    before = prefill.stats.remote().result(timeout_s=60)["completed"]
+    r = httpx.post(f"{split_app.url}/v1/chat/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert prefill.stats.remote().result(timeout_s=60)["completed"] == before + 1
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert {c["message"]["content"] for c in out["choices"]} == {reference[0].text}
+    assert out["usage"]["completion_tokens"] == 3 * len(reference[0].token_ids)
+
+    sampled = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0,
+               "seed": 5, "n": 3, "stream": True}
+    runs = []
+    for _ in range(2):
+        texts = ["", "", ""]
+        with httpx.stream("POST", f"{split_app.url}/v1/completions", json=sampled,
+                          timeout=180) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        texts[choice["index"]] += choice["text"]
+        runs.append(texts)
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1
+
+
 BAD_REQUESTS = [
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": True}, 400, "frobnicate"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404, "model"),
     ({"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages"),

@@ -178,3 +178,29 @@ def test_invalid_request_fails_batch_before_compute(tiny_model):
     with pytest.raises(ContextLengthError):
         prefiller.make_packages([_req("good", 5), _req("bad", 40)])
     assert calls == []
+
+
+def test_n_answers_get_one_prefill_and_a_first_token_each(tiny_model):
+    """n = 4: one pass, a first token per answer (answer k drawn with seed + k, as a request
+    of its own with that seed would draw it), the KV shared by every answer."""
+    prefiller = _prefiller(tiny_model, prefix_cache_mb=0)
+    sampled = SamplingParams(max_tokens=4, temperature=1.5, seed=11)
+    prompt = tuple(range(40, 61))
+    calls = []
+    real = prefiller.runner.forward_prefill
+    prefiller.runner.forward_prefill = (
+        lambda batch, past=None: calls.append(len(batch)) or real(batch, past))
+    [pkg] = prefiller.make_packages([PrefillRequest("m", prompt, sampled, n=4)])
+    assert calls == [1] and len(pkg.choice_first_tokens) == 4
+    for k in range(4):
+        alone = prefiller.make_packages(
+            [PrefillRequest(f"a{k}", prompt, sampled.for_choice(k))])[0]
+        answer = pkg.for_choice(k)
+        assert answer.first_token == alone.first_token == pkg.choice_first_tokens[k]
+        assert answer.sampling.seed == 11 + k and answer.request_id == f"m/{k}"
+        assert answer.kv is pkg.kv  # one object in the store, read by every answer
+    assert len(set(pkg.choice_first_tokens)) > 1  # hot sampling: the answers differ
+    [greedy] = prefiller.make_packages([PrefillRequest("g", prompt, GREEDY, n=2)])
+    assert len(set(greedy.choice_first_tokens)) == 1
+    with pytest.raises(ValueError, match="one answer"):
+        prefiller.make_packages([PrefillRequest("one", prompt, GREEDY)])[0].for_choice(1)

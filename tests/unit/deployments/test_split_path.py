@@ -18,7 +18,7 @@ from app.messages import FinishReason, PrefillRequest, StreamStart, TokenEvent
 from app.output import GenerationFailed
 from app.sampling import SamplingParams
 from deployments.request_trace import RequestTrace
-from deployments.split_path import SplitPath, is_retryable
+from deployments.split_path import SplitPath, choice_request, is_retryable
 
 TOKENS = list(range(100, 112))
 
@@ -248,3 +248,45 @@ def test_readiness_pings_each_phase():
     assert asyncio.run(split_path(up, down).readiness(1.0))["ready"] is False
     assert asyncio.run(split_path(None, up).readiness(1.0)) == {"ready": True,
                                                                  "colocated": True}
+
+
+def test_n_answers_share_one_prefill_and_a_lost_answer_resumes_alone():
+    """n = 3: one make_kv_package call; every answer's first stream reads that ref with its
+    own choice; an answer whose decode replica dies re-prefills as its own request."""
+    def decode_stream(wrapped, choice=None):
+        base = wrapped[0]  # the ref: the request made for all answers, or a retry's own
+        preq = base if choice is None else choice_request(base, choice)
+        return token_stream(preq, fail_at=5 if choice == 1 else None)
+
+    prefill = FakeHandle(make_kv_package=lambda preq: FakeCall(value=preq))
+    decode = FakeHandle(generate=lambda wrapped, choice=None: FakeCall(
+        stream=decode_stream(wrapped, choice)))
+    path = split_path(prefill, decode)
+    preq = PrefillRequest("req", (1, 2, 3), SamplingParams(max_tokens=len(TOKENS),
+                                                           temperature=1.0, seed=7), n=3)
+
+    async def all_answers():
+        ref = await path.shared_prefill(preq)
+        assert ref is preq
+        streams = [path.resumable_stream(choice_request(preq, k), RequestTrace(), (ref, k))
+                   for k in range(3)]
+        answers = []
+        for stream in streams:
+            answers.append([e.token_id async for e in stream])
+        return answers
+
+    answers = asyncio.run(all_answers())
+    assert answers == [TOKENS] * 3  # answer 1 resumed with nothing missing or repeated
+    made = [args[0] for name, args in prefill.calls]
+    # the shared prefill, then answer 1's retry: its own id and seed, prompt + 5 tokens
+    assert [m.request_id for m in made] == ["req", "req/1-retry1"]
+    assert made[1].sampling.seed == 8 and made[1].output_offset == 5
+    # answers run one after the other here: 0, 1 (dies), 1's retry (no choice), 2
+    assert [args[1:] for name, args in decode.calls] == [(0,), (1,), (), (2,)]
+
+
+def test_n_answers_on_the_local_path_prefill_each_on_its_own():
+    decode = FakeHandle(generate_local=lambda preq: FakeCall(stream=token_stream(preq)))
+    path = split_path(None, decode)
+    preq = PrefillRequest("req", (1, 2, 3), SamplingParams(max_tokens=4, seed=1), n=2)
+    assert asyncio.run(path.shared_prefill(preq)) is None
