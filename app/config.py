@@ -68,7 +68,8 @@ class EngineConfig:
     max_waiting: int = 64
     prefill_token_budget: int = 4096
     prefill_max_batch_size: int = 8
-    # a prompt is computed in passes of at most this many tokens (app.prefill)
+    # a prefill pass computes at most this many tokens: long prompts in chunks of it, short
+    # ones together up to it (app.prefill)
     prefill_chunk_tokens: int = 256
     # a prompt that has waited this long leads every other prefill pass
     prefill_fairness_s: float = 5.0

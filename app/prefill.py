@@ -12,9 +12,11 @@ Which prompts share a pass (``Prefiller.plan_pass``):
 * fairness: once a prompt has waited ``prefill_fairness_s``, every other pass is led by the
   longest-waiting such prompt, so a document keeps at least half the passes however many
   short prompts arrive;
-* rows share a pass while ``rows x longest chunk`` fits ``prefill_token_budget``, rows stay
-  within ``prefill_max_batch_size``, and padding wastes at most a quarter of the computed
-  tokens (a 64-token chat is not padded to a 256-token chunk).
+* a pass computes at most ``prefill_chunk_tokens`` (padding included): rows share a pass
+  while ``rows x longest chunk`` fits it (and ``prefill_token_budget``), rows stay within
+  ``prefill_max_batch_size``, and padding wastes at most a quarter of the computed tokens
+  (a 64-token chat is not padded to a 256-token chunk). Several documents do not share one
+  long pass: a prompt that arrives waits for at most one pass of that size.
 
 ``make_packages`` runs a list of prompts to completion (tests, benchmarks, the local
 engine); a server drives ``new_job`` / ``plan_pass`` / ``run_pass`` itself so that prompts
@@ -139,7 +141,8 @@ class Prefiller:
     def _fits(self, rows: list[PrefillJob]) -> bool:
         chunks = [self.chunk_of(j) for j in rows]
         padded = len(rows) * max(chunks)
-        if padded > self.token_budget or padded - sum(chunks) > MAX_PADDING * sum(chunks):
+        if (padded > min(self.token_budget, self.chunk_tokens)
+                or padded - sum(chunks) > MAX_PADDING * sum(chunks)):
             return False
         pasts = [j.done for j in rows]  # a short past is padded to the longest (masked)
         return len(rows) * max(pasts) - sum(pasts) <= self.token_budget
