@@ -74,9 +74,14 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": "OpenAI-shaped error"}
     for code in (400, 401, 404, 413, 429, 500, 503, 504)
 }
+# Before OpenAPI 3.2 an event stream's `schema` describes one event: its `data` is a JSON
+# chunk (app.protocol.StreamChunk), an error body, or "[DONE]".
 SSE_RESPONSE: dict[int | str, dict[str, Any]] = {200: {
     "description": "The completion, or an SSE stream of chunks when stream is true",
-    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+    "content": {"text/event-stream": {"schema": {
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                       "id": {"type": "string"}, "retry": {"type": "integer"}}}}}}}
 
 
 # ---- errors -------------------------------------------------------------------------------
