@@ -4,7 +4,6 @@ replica's identity, health check and fault injection."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -23,8 +22,6 @@ from app.model_loader import load_tokenizer
 from app.prefill import PrefillJob
 from deployments.args import AppArgs
 from deployments.metrics import DecodeMetrics, PrefillMetrics
-
-logger = logging.getLogger(__name__)
 
 
 def current_replica_id() -> str:
@@ -113,13 +110,7 @@ class PrefillQueue:
 
     async def _run(self) -> None:
         while True:
-            try:
-                rows = self.prefiller.plan_pass(self.jobs)
-            except Exception as exc:  # never leave a caller waiting on a queue that stopped
-                logger.exception("prefill planning failed; failing the queued prompts")
-                for job in list(self.jobs):
-                    self._finish(job, exc=exc)
-                rows = []  # then wait for the next prompt, not spin
+            rows = self.prefiller.plan_pass(self.jobs)
             if not rows:
                 self._wake.clear()
                 await self._wake.wait()
