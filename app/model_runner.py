@@ -35,10 +35,11 @@ class _PrefillCollector:
     after the row's earlier positions (``past``: per layer ``[B, kv_heads, P, head_dim]``
     keys and values) when the pass continues prompts whose start is already computed."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int,
+                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.past = past
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [B, kv_heads, S, head_dim]
@@ -156,11 +157,11 @@ class ModelRunner:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(self.device)
-        starts = [0 if p is None else p.shape[3] for p in (past or [None] * bsz)]
+        has_past = past is not None and any(p is not None for p in past)
+        starts = [0 if not has_past or p is None else p.shape[3] for p in (past or [None] * bsz)]
         positions = (torch.tensor(starts)[:, None] + torch.arange(seq)[None, :]).to(self.device)
-        mask = None
-        collector = _PrefillCollector(len(self.layers))
-        if any(starts):
+        mask, collector = None, _PrefillCollector(len(self.layers))
+        if has_past:
             mask = self._past_mask(starts, seq).to(self.device)
             collector.past = self._padded_past(past, starts)
         with self.lock:
@@ -196,13 +197,8 @@ class ModelRunner:
     def _padded_past(self, past: list[torch.Tensor | None],
                      starts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values) ``[B, kv_heads, Pmax, head_dim]``, each on its layer's
-        device, a shorter row zero-padded at the end (masked out). A lone row (a document's
-        next chunk) is read in place, not copied."""
+        device, a shorter row zero-padded at the end (masked out)."""
         lay, pmax = self.layout, max(starts)
-        if len(past) == 1:
-            kv = past[0].to(self.kv_device, self.dtype)
-            return [(kv[li, 0][None].to(dev), kv[li, 1][None].to(dev))
-                    for li, dev in enumerate(self.layer_devices)]
         padded = torch.zeros((lay.num_layers, 2, len(starts), lay.num_kv_heads, pmax,
                               lay.head_dim), dtype=self.dtype, device=self.kv_device)
         for i, kv in enumerate(past):

@@ -51,6 +51,7 @@ class PrefillJob:
     cached: int = 0  # of those, taken from the prefix cache
     parts: list[torch.Tensor] = field(default_factory=list)  # KV, in order along positions
     compute_s: float = 0.0
+    passes: int = 0
     cancelled: bool = False
 
     @property
@@ -76,7 +77,6 @@ class Prefiller:
         cfg = runner.config
         self.chunk_tokens = cfg.prefill_chunk_tokens
         self.token_budget = cfg.prefill_token_budget
-        self.pass_tokens = min(self.token_budget, self.chunk_tokens)  # one pass, padded
         self.max_rows = cfg.prefill_max_batch_size
         self.fairness_s = cfg.prefill_fairness_s
         self._led_by_waiting = False  # the last pass was led by an over-waited prompt
@@ -141,7 +141,8 @@ class Prefiller:
     def _fits(self, rows: list[PrefillJob]) -> bool:
         chunks = [self.chunk_of(j) for j in rows]
         padded = len(rows) * max(chunks)
-        if padded > self.pass_tokens or padded - sum(chunks) > MAX_PADDING * sum(chunks):
+        if (padded > min(self.token_budget, self.chunk_tokens)
+                or padded - sum(chunks) > MAX_PADDING * sum(chunks)):
             return False
         pasts = [j.done for j in rows]  # a short past is padded to the longest (masked)
         return len(rows) * max(pasts) - sum(pasts) <= self.token_budget
@@ -154,10 +155,13 @@ class Prefiller:
         start = time.perf_counter()
         chunks = [list(j.req.prompt_token_ids[j.done : j.done + self.chunk_of(j)])
                   for j in rows]
-        logits, kvs = self.runner.forward_prefill(chunks, [j.kv() for j in rows])
+        past = [j.kv() for j in rows]
+        logits, kvs = self.runner.forward_prefill(
+            chunks, past if any(p is not None for p in past) else None)
         for job, chunk, kv in zip(rows, chunks, kvs, strict=True):
             job.parts.append(kv)
             job.done += len(chunk)
+            job.passes += 1
         finished = [i for i, j in enumerate(rows) if j.remaining == 0]
         # one draw per answer (n > 1: answer k with its own seed) from the row's last logits
         draws = [(i, k) for i in finished for k in range(rows[i].req.n)]

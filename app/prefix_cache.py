@@ -37,8 +37,12 @@ class _Entry:
 class PrefixMatch:
     """A prompt's cached prefix: ``blocks`` in order, ``tokens`` positions in all."""
 
-    blocks: tuple[torch.Tensor, ...]  # each [layers, 2, kv_heads, block_size, head_dim]
+    blocks: tuple[torch.Tensor, ...]
     tokens: int
+
+    def kv(self) -> torch.Tensor | None:
+        """The prefix's KV ``[layers, 2, kv_heads, tokens, head_dim]`` (None when empty)."""
+        return torch.cat(self.blocks, dim=3) if self.blocks else None
 
 
 class PrefixCache:

@@ -6,6 +6,7 @@ phases (``deployments.split_path``), detokenizes the token stream and shapes the
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the real types.
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -159,28 +160,35 @@ class Ingress:
                        trace: RequestTrace | None = None) -> dict[str, Any]:
         """The whole answer of a non-streamed request (``trace``: of its first answer)."""
         preq = self.prepare(endpoint, req)
-        texts = [""] * preq.n
-        finishes: list[Any] = [None] * preq.n
-        n_out = 0
-        async for k, delta in self.indexed_deltas(endpoint, preq, trace):
-            texts[k] += delta.text
-            n_out += len(delta.token_ids)
-            finishes[k] = delta.finish_reason or finishes[k]
-        return completion_body(endpoint, preq.request_id, self.model_name,
-                               list(zip(texts, finishes, strict=True)), preq.num_tokens, n_out)
-
-    async def indexed_deltas(self, endpoint: Endpoint, preq: PrefillRequest,
-                             trace: RequestTrace | None = None,
-                             ) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """(answer index, delta) of every answer, as they come; the first error ends all
-        of them (``openai_api.merge_streams``)."""
         streams = await self.answers(endpoint, preq, trace)
+
+        async def collect(stream: AsyncIterator[StreamDelta]) -> tuple[str, int, Any]:
+            text, n_out, finish = "", 0, None
+            async for delta in stream:
+                text += delta.text
+                n_out += len(delta.token_ids)
+                finish = delta.finish_reason or finish
+            return text, n_out, finish
+
+        tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # one answer failed (or the client left): stop the others
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return completion_body(endpoint, preq.request_id, self.model_name,
+                               [(text, finish) for text, _, finish in results],
+                               preq.num_tokens, sum(n for _, n, _ in results))
+
+    async def indexed_deltas(self, endpoint: Endpoint,
+                             preq: PrefillRequest) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """(answer index, delta) of every answer, as they come."""
+        streams = await self.answers(endpoint, preq)
         if len(streams) == 1:
-            try:
-                async for delta in streams[0]:
-                    yield 0, delta
-            finally:
-                await streams[0].aclose()  # a client that left: the answer stops now
+            async for delta in streams[0]:
+                yield 0, delta
             return
         async for item in merge_streams(streams):
             yield item

@@ -110,11 +110,6 @@ class SplitPath:
         prefill_ok, decode_ok = await asyncio.gather(ping(self.prefill), ping(self.decode))
         return {"ready": prefill_ok and decode_ok, "prefill": prefill_ok, "decode": decode_ok}
 
-    def _timed_out(self, preq: PrefillRequest) -> RequestTimeoutError:
-        return RequestTimeoutError(
-            f"request {preq.request_id} took longer than the server's request timeout "
-            f"({self.request_timeout_s:g} s); its work was stopped")
-
     def _prefills_locally(self, preq: PrefillRequest) -> bool:
         return self.prefill is None or preq.num_tokens < self.local_prefill_threshold
 
@@ -130,7 +125,9 @@ class SplitPath:
             return await asyncio.wait_for(call._to_object_ref(), self.request_timeout_s)
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
             call.cancel()
-            raise self._timed_out(preq) from None
+            raise RequestTimeoutError(
+                f"request {preq.request_id} took longer than the server's request timeout "
+                f"({self.request_timeout_s:g} s); its work was stopped") from None
         except Exception as exc:
             call.cancel()
             if not is_retryable(exc):
@@ -220,7 +217,9 @@ class SplitPath:
                     if event.finish_reason is not None:
                         return
             except (TimeoutError, asyncio.TimeoutError):  # the same class from Python 3.11
-                raise self._timed_out(preq) from None
+                raise RequestTimeoutError(
+                    f"request {preq.request_id} took longer than the server's request timeout "
+                    f"({self.request_timeout_s:g} s); its work was stopped") from None
             except Exception as exc:
                 if not is_retryable(exc):
                     raise

@@ -34,7 +34,7 @@ def test_longest_cached_prefix_leaves_one_token_to_compute():
     assert cache.insert(prompt, _kv(12)) == 3
     # the whole prompt again: 2 blocks (the last block would leave nothing to compute)
     match = cache.match(prompt)
-    assert match.tokens == 8 and torch.equal(torch.cat(match.blocks, 3), _kv(8))
+    assert match.tokens == 8 and torch.equal(match.kv(), _kv(8))
     # a longer prompt sharing it: all 3 blocks; a partial 4th block never matches
     assert cache.match((*prompt, 1, 2, 3)).tokens == 12
     # diverging inside block 2: block 1 only
@@ -65,7 +65,7 @@ def test_lru_evicts_a_chains_end_first_within_the_budget():
     assert len(cache) == 4 and cache.bytes == 4 * BLOCK_BYTES and cache.evictions == 1
     assert cache.match((*a, 0)).tokens == 8  # a's last block went, its start stays usable
     assert cache.match((*b, 0)).tokens == 8
-    assert torch.equal(torch.cat(cache.match((*b, 0)).blocks, 3), _kv(8, fill=50))
+    assert torch.equal(cache.match((*b, 0)).kv(), _kv(8, fill=50))
     cache.insert(tuple(range(300, 316)), _kv(16, fill=9))  # 4 new blocks push out the rest
     assert cache.bytes <= cache.max_bytes and cache.match((*a, 0)).tokens == 0
     off = PrefixCache("m", max_bytes=0, block_size=BS)
