@@ -4,6 +4,7 @@ replica's identity, health check and fault injection."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,8 @@ from app.model_loader import load_tokenizer
 from app.prefill import PrefillJob
 from deployments.args import AppArgs
 from deployments.metrics import DecodeMetrics, PrefillMetrics
+
+logger = logging.getLogger(__name__)
 
 
 def current_replica_id() -> str:
@@ -110,7 +113,13 @@ class PrefillQueue:
 
     async def _run(self) -> None:
         while True:
-            rows = self.prefiller.plan_pass(self.jobs)
+            try:
+                rows = self.prefiller.plan_pass(self.jobs)
+            except Exception as exc:  # never leave a caller waiting on a queue that stopped
+                logger.exception("prefill planning failed; failing the queued prompts")
+                for job in list(self.jobs):
+                    self._finish(job, exc=exc)
+                rows = []  # then wait for the next prompt, not spin
             if not rows:
                 self._wake.clear()
                 await self._wake.wait()

@@ -1,0 +1,61 @@
+"""The prefill replica's queue: prompts computed pass after pass, counts kept, and a
+failure ends the callers' waits with the error instead of leaving them hanging."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.config import EngineConfig
+from app.engine_core import EngineCore
+from app.messages import PrefillRequest
+from app.sampling import SamplingParams
+from deployments.metrics import PrefillMetrics
+from deployments.replica import PrefillQueue
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+def _queue(model, **cfg) -> PrefillQueue:
+    return PrefillQueue(EngineCore(EngineConfig(**cfg), model=model), 0.0, PrefillMetrics())
+
+
+def _req(rid: str, n: int) -> PrefillRequest:
+    return PrefillRequest(rid, tuple(range(10, 10 + n)), GREEDY)
+
+
+async def test_prompts_are_computed_in_chunked_passes_and_counted(tiny_model):
+    queue = _queue(tiny_model, prefill_chunk_tokens=16, prefix_cache_mb=0)
+    alone = queue.prefiller.make_packages([_req("ref", 40)])[0]
+    long_pkg, short_pkg = await asyncio.gather(queue.enqueue(_req("doc", 40)),
+                                               queue.enqueue(_req("chat", 6)))
+    assert long_pkg.first_token == alone.first_token and long_pkg.seq_len == 40
+    assert short_pkg.seq_len == 6
+    assert queue.passes >= 3  # 40 tokens in chunks of 16
+    assert queue.tokens_total == 46 and queue.requests_total == 2
+    assert queue.waiting_tokens == 0 and queue.waiting_requests == 0 and queue.jobs == []
+
+
+async def test_a_failing_pass_or_plan_fails_the_callers_and_the_queue_goes_on(tiny_model):
+    queue = _queue(tiny_model, prefix_cache_mb=0)
+    real_run, real_plan = queue.prefiller.run_pass, queue.prefiller.plan_pass
+
+    def broken_run(rows):
+        raise RuntimeError("pass broke")
+
+    queue.prefiller.run_pass = broken_run
+    with pytest.raises(RuntimeError, match="pass broke"):
+        await asyncio.wait_for(queue.enqueue(_req("a", 8)), 60)
+    queue.prefiller.run_pass = real_run
+
+    def broken_plan(jobs, now=None):
+        raise RuntimeError("plan broke")
+
+    queue.prefiller.plan_pass = broken_plan
+    with pytest.raises(RuntimeError, match="plan broke"):
+        await asyncio.wait_for(queue.enqueue(_req("b", 8)), 60)
+    queue.prefiller.plan_pass = real_plan
+    pkg = await asyncio.wait_for(queue.enqueue(_req("c", 8)), 60)  # still serving
+    assert pkg.seq_len == 8
+    assert queue.waiting_requests == 0 and queue.jobs == []
