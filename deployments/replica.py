@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -46,13 +47,37 @@ async def inject_fault(args: AppArgs, core: EngineCore, kind: str, seconds: floa
     if kind == "crash":
         os._exit(1)
     if kind == "stall":
-        def hold() -> None:
-            with core.runner.lock:
-                time.sleep(seconds)
-
-        asyncio.get_running_loop().run_in_executor(None, hold)
+        _stall(core, seconds)
         return current_replica_id()
     raise ValueError(f"unknown fault {kind!r}; expected 'stall' or 'crash'")
+
+
+# Stalls in force, by engine: when each ends. A second stall of a stalled engine moves its
+# end (it does not queue another hold behind the first).
+_STALL_ENDS: dict[int, float] = {}
+_STALL_LOCK = threading.Lock()
+
+
+def _stall(core: EngineCore, seconds: float) -> None:
+    """Hold ``core``'s model from now until ``seconds`` from now (or a later stall's end)."""
+    key = id(core)
+    with _STALL_LOCK:
+        holding = key in _STALL_ENDS
+        _STALL_ENDS[key] = max(_STALL_ENDS.get(key, 0.0), time.monotonic() + seconds)
+    if holding:
+        return
+
+    def hold() -> None:
+        with core.runner.lock:
+            while True:
+                with _STALL_LOCK:
+                    left = _STALL_ENDS[key] - time.monotonic()
+                    if left <= 0:
+                        del _STALL_ENDS[key]
+                        return
+                time.sleep(min(left, 0.5))
+
+    threading.Thread(target=hold, name="fault-stall", daemon=True).start()
 
 
 class PrefillQueue:

@@ -140,15 +140,15 @@ def prefill_total(key: str) -> int:
 
 
 def stall_all(deployment: str, seconds: float) -> None:
-    """Wedge every replica of a deployment (each call lands on a random replica)."""
+    """Wedge every replica of a deployment for ``seconds`` from now: each replica is
+    targeted by id (a call lands on a random replica, and only the target acts)."""
     handle = serve.get_deployment_handle(deployment, NAME)
-    stalled: set[str] = set()
-    n = len(replicas(deployment))
-    for _ in range(64):
-        if len(stalled) >= n:
-            return
-        stalled.add(handle.inject_fault.remote("stall", seconds).result(timeout_s=30))
-    raise TimeoutError(f"could not reach every {deployment} replica")
+    for rid in all_stats(deployment):
+        for _ in range(64):
+            if handle.inject_fault.remote("stall", seconds, rid).result(timeout_s=30) == rid:
+                break
+        else:
+            raise TimeoutError(f"could not reach {deployment} replica {rid}")
 
 
 def wait_for(cond, timeout_s: float, what: str) -> None:

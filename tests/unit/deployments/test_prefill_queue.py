@@ -59,3 +59,26 @@ async def test_a_failing_pass_or_plan_fails_the_callers_and_the_queue_goes_on(ti
     pkg = await asyncio.wait_for(queue.enqueue(_req("c", 8)), 60)  # still serving
     assert pkg.seq_len == 8
     assert queue.waiting_requests == 0 and queue.jobs == []
+
+
+async def test_a_second_stall_moves_the_end_instead_of_queueing_another(tiny_model):
+    """The fault tests stall replicas reached at random: a replica hit twice must be held
+    until the later end, not for the sum of both stalls."""
+    import threading
+    import time
+
+    from deployments.replica import _STALL_ENDS, _stall
+
+    core = EngineCore(EngineConfig(), model=tiny_model)
+    _stall(core, 0.3)
+    first_end = _STALL_ENDS[id(core)]
+    _stall(core, 0.6)
+    assert _STALL_ENDS[id(core)] > first_end
+    assert sum(t.name == "fault-stall" for t in threading.enumerate()) == 1
+    deadline = time.monotonic() + 30
+    while not core.runner.lock.locked() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)  # the holder takes the model
+    assert core.runner.lock.locked()
+    assert core.runner.lock.acquire(timeout=60)  # released once the later end has passed
+    core.runner.lock.release()
+    assert time.monotonic() >= first_end and id(core) not in _STALL_ENDS
