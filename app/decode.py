@@ -28,7 +28,7 @@ from app.kv_cache import DEFAULT_BLOCK_SIZE, BlockAllocator
 from app.kv_package import KVPackage
 from app.messages import FinishReason, TokenEvent
 from app.model_runner import ModelRunner
-from app.sampling import sample_tokens
+from app.sampling import sample_tokens, token_logprobs
 from app.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -144,17 +144,24 @@ class Decoder:
             self.cache, [s.blocks for s in batch], [s.last_token for s in batch],
             [s.kv_len for s in batch],
         )  # [B, V]
+        params = [s.sampling for s in batch]
         tokens = sample_tokens(
             logits,
-            [s.sampling for s in batch],
+            params,
             [s.next_step for s in batch],
             history=[s.prompt_token_ids + s.output_token_ids for s in batch]
-            if any(s.sampling.repetition_penalty != 1.0 for s in batch)
+            if any(p.repetition_penalty != 1.0 for p in params)
             else None,
+            outputs=[s.generated_token_ids for s in batch]
+            if any(p.counts_output for p in params)
+            else None,
+            eos_token_ids=self.eos_token_ids,
         )
         self.steps += 1
-        for seq, tok in zip(batch, tokens, strict=True):
+        for seq, tok, lp in zip(batch, tokens, token_logprobs(logits, params, tokens),
+                                strict=True):
             seq.kv_len += 1
+            seq.last_logprobs = lp
             seq.append(tok, eos_token_ids=self.eos_token_ids,
                        max_model_len=self.runner.max_model_len)
         for seq in batch:
@@ -236,6 +243,7 @@ class DecodeLoop:
             prompt_token_ids=package.prompt_ids,
             sampling=package.sampling,
             output_offset=package.output_offset,
+            last_logprobs=package.first_logprobs,
         )
         seq.append(
             package.first_token,
@@ -243,7 +251,8 @@ class DecodeLoop:
             max_model_len=self.decoder.runner.max_model_len,
         )
         if seq.is_finished:
-            yield TokenEvent(rid, package.first_token, seq.output_offset, seq.finish_reason)
+            yield TokenEvent(rid, package.first_token, seq.output_offset, seq.finish_reason,
+                             logprobs=seq.last_logprobs)
             return
         if self.num_waiting >= self.max_waiting:
             raise QueueFullError(
@@ -259,7 +268,8 @@ class DecodeLoop:
         self._wakeup.set()
         finished = False
         try:
-            yield TokenEvent(rid, seq.output_token_ids[0], seq.output_offset)
+            yield TokenEvent(rid, seq.output_token_ids[0], seq.output_offset,
+                             logprobs=seq.last_logprobs)
             while True:
                 event = await queue.get()
                 finished = event.finish_reason is not None
@@ -319,7 +329,8 @@ class DecodeLoop:
                 # the first token a decode step made (the prefill made the one before it)
                 queued = seq.decode_queue_s if seq.num_output_tokens == 2 else None
                 self._deliver(TokenEvent(seq.request_id, seq.last_token, seq.next_step - 1,
-                                         reason, decode_queue_s=queued))
+                                         reason, decode_queue_s=queued,
+                                         logprobs=seq.last_logprobs))
             await asyncio.sleep(0)  # let consumers run between steps
 
     def _deliver(self, event: TokenEvent) -> None:

@@ -64,11 +64,12 @@ class EngineCore:
         """``fn(*args)`` on the engine's thread."""
         return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
 
-    def make_prefiller(self) -> Prefiller:
-        """A prefiller with its own prefix cache (``prefix_cache_mb``; none when 0)."""
+    def make_prefiller(self, eos_token_ids: frozenset[int] = frozenset()) -> Prefiller:
+        """A prefiller with its own prefix cache (``prefix_cache_mb``; none when 0).
+        ``eos_token_ids``: the decoder's, masked from a first token under ``min_tokens``."""
         mb = self.config.prefix_cache_mb
         cache = PrefixCache(self.fingerprint, mb << 20) if mb > 0 else None
-        return Prefiller(self.runner, self.fingerprint, cache)
+        return Prefiller(self.runner, self.fingerprint, cache, eos_token_ids)
 
     def make_decode_loop(self, eos_token_ids: frozenset[int]) -> DecodeLoop:
         decoder = Decoder(
@@ -101,7 +102,7 @@ class LocalEngine:
                 getattr(self.core.model, "generation_config", None)
             )
         self.eos_token_ids = eos_token_ids
-        self.prefiller = self.core.make_prefiller()
+        self.prefiller = self.core.make_prefiller(eos_token_ids)
         self.decode_loop = self.core.make_decode_loop(eos_token_ids)
 
     @property

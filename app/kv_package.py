@@ -23,7 +23,7 @@ import torch
 
 from app.config import dtype_name, parse_dtype
 from app.errors import KVPackageMismatchError
-from app.sampling import SamplingParams
+from app.sampling import SamplingParams, TokenLogprobs
 
 # numpy cannot hold bfloat16; those tensors travel as their raw 16-bit pattern.
 _WIRE_DTYPES: dict[str, type[np.generic]] = {
@@ -91,6 +91,8 @@ class KVPackage:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # n > 1: answer k's first token (sampled with sampling.for_choice(k)); () for n = 1
     choice_first_tokens: tuple[int, ...] = ()
+    first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+    choice_first_logprobs: tuple[TokenLogprobs | None, ...] = ()  # n > 1, as the tokens
 
     @property
     def seq_len(self) -> int:
@@ -120,6 +122,8 @@ class KVPackage:
         output_offset: int = 0,
         cached_tokens: int = 0,
         choice_first_tokens: tuple[int, ...] = (),
+        first_logprobs: TokenLogprobs | None = None,
+        choice_first_logprobs: tuple[TokenLogprobs | None, ...] = (),
     ) -> KVPackage:
         # kv: [layers, 2, kv_heads, seq_len, head_dim], contiguous, on any device
         assert kv.dim() == 5 and kv.shape[1] == 2, f"bad KV shape {tuple(kv.shape)}"
@@ -142,18 +146,21 @@ class KVPackage:
             output_offset=output_offset,
             cached_tokens=cached_tokens,
             choice_first_tokens=choice_first_tokens,
+            first_logprobs=first_logprobs,
+            choice_first_logprobs=choice_first_logprobs,
         )
 
     def for_choice(self, k: int) -> KVPackage:
-        """Answer ``k`` of a package made for several: its own request id, first token and
-        seed, the same KV (shared, not copied)."""
+        """Answer ``k`` of a package made for several: its own request id, first token (and
+        its logprobs) and seed, the same KV (shared, not copied)."""
         if not self.choice_first_tokens:
             if k != 0:
                 raise ValueError(f"package {self.request_id} holds one answer, not answer {k}")
             return self
         return dataclasses.replace(
             self, request_id=f"{self.request_id}/{k}", first_token=self.choice_first_tokens[k],
-            sampling=self.sampling.for_choice(k), choice_first_tokens=())
+            first_logprobs=self.choice_first_logprobs[k], sampling=self.sampling.for_choice(k),
+            choice_first_tokens=(), choice_first_logprobs=())
 
     def kv_tensor(self, device: str | torch.device = "cpu") -> torch.Tensor:
         """The KV as a torch tensor on ``device`` (zero-copy on CPU);

@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass
 
 from app.kv_package import KVPackage
-from app.sampling import SamplingParams
+from app.sampling import SamplingParams, TokenLogprobs
 
 __all__ = ["FinishReason", "KVPackage", "PrefillRequest", "StreamStart", "TokenEvent"]
 
@@ -57,6 +57,12 @@ class PrefillRequest:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def delivered_token_ids(self) -> tuple[int, ...]:
+        """The output tokens the prompt ends with (a resumed stream's): the penalties count
+        them as output."""
+        return self.prompt_token_ids[self.num_tokens - self.output_offset:]
+
 
 @dataclass(frozen=True, slots=True)
 class StreamStart:
@@ -84,3 +90,4 @@ class TokenEvent:
     error: str | None = None
     # set on a sequence's first decode-step token only: seconds it waited to join the batch
     decode_queue_s: float | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for logprobs

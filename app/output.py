@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from app.detokenizer import IncrementalDetokenizer
 from app.errors import EngineError
 from app.messages import FinishReason, TokenEvent
-from app.sampling import SamplingParams
+from app.sampling import SamplingParams, TokenLogprobs
 
 
 class GenerationFailed(EngineError):
@@ -18,13 +18,32 @@ class GenerationFailed(EngineError):
     status_code = 500
 
 
+@dataclass(frozen=True, slots=True)
+class LogprobText:
+    """One output token's logprob and its position's most likely tokens, with tokens as
+    the text the API shows."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def of(cls, lp: TokenLogprobs, tokenizer) -> LogprobText:
+        def text(token_id: int) -> str:
+            return tokenizer.decode([token_id])
+
+        return cls(text(lp.token_id), lp.logprob, tuple((text(t), v) for t, v in lp.top))
+
+
 @dataclass(slots=True)
 class StreamDelta:
-    """New output since the previous delta. ``finish_reason`` is set on the last one."""
+    """New output since the previous delta. ``finish_reason`` is set on the last one;
+    ``logprobs``, when the request asked for them, has one entry per token id."""
 
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    logprobs: list[LogprobText] | None = None
 
 
 @dataclass(slots=True)
@@ -52,14 +71,15 @@ async def text_deltas(
                 raise GenerationFailed(f"generation failed: {ev.error}")
             ids = [] if ev.token_id is None else [ev.token_id]
             text = detok.add(ev.token_id) if ev.token_id is not None else ""
+            lps = None if ev.logprobs is None else [LogprobText.of(ev.logprobs, tokenizer)]
             if detok.stopped:
-                yield StreamDelta(text, ids, FinishReason.STOP)
+                yield StreamDelta(text, ids, FinishReason.STOP, lps)
                 return
             if ev.finish_reason is not None:
-                yield StreamDelta(text + detok.finish(), ids, ev.finish_reason)
+                yield StreamDelta(text + detok.finish(), ids, ev.finish_reason, lps)
                 return
             if text or ids:
-                yield StreamDelta(text, ids)
+                yield StreamDelta(text, ids, logprobs=lps)
         raise GenerationFailed("the token stream ended without a finish reason")
     finally:
         aclose = getattr(events, "aclose", None)

@@ -34,7 +34,7 @@ from app.kv_package import KVPackage
 from app.messages import PrefillRequest
 from app.model_runner import ModelRunner
 from app.prefix_cache import PrefixCache
-from app.sampling import sample_tokens
+from app.sampling import TokenLogprobs, sample_tokens, token_logprobs
 from app.sequence import validate_prompt
 
 # Padding may add at most this fraction of a pass's real tokens.
@@ -70,10 +70,12 @@ class Prefiller:
     the engine's; the prefix cache is thread-safe."""
 
     def __init__(self, runner: ModelRunner, fingerprint: str,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.runner = runner
         self.fingerprint = fingerprint
         self.prefix_cache = prefix_cache
+        self.eos_token_ids = eos_token_ids  # masked from a first token under min_tokens
         cfg = runner.config
         self.chunk_tokens = cfg.prefill_chunk_tokens
         self.token_budget = cfg.prefill_token_budget
@@ -165,15 +167,19 @@ class Prefiller:
         finished = [i for i, j in enumerate(rows) if j.remaining == 0]
         # one draw per answer (n > 1: answer k with its own seed) from the row's last logits
         draws = [(i, k) for i in finished for k in range(rows[i].req.n)]
-        tokens = sample_tokens(
-            logits[[i for i, _ in draws]],
-            [rows[i].req.sampling.for_choice(k) for i, k in draws],
-            [rows[i].req.output_offset for i, _ in draws],
-            history=[list(rows[i].req.prompt_token_ids) for i, _ in draws],
-        ) if draws else []
-        firsts: dict[int, list[int]] = {}
-        for (i, _), token in zip(draws, tokens, strict=True):
-            firsts.setdefault(i, []).append(token)
+        firsts: dict[int, list[tuple[int, TokenLogprobs | None]]] = {}
+        if draws:
+            last = logits[[i for i, _ in draws]]
+            params = [rows[i].req.sampling.for_choice(k) for i, k in draws]
+            tokens = sample_tokens(
+                last, params, [rows[i].req.output_offset for i, _ in draws],
+                history=[list(rows[i].req.prompt_token_ids) for i, _ in draws],
+                outputs=[list(rows[i].req.delivered_token_ids) for i, _ in draws],
+                eos_token_ids=self.eos_token_ids,
+            )
+            for (i, _), token, lp in zip(draws, tokens, token_logprobs(last, params, tokens),
+                                         strict=True):
+                firsts.setdefault(i, []).append((token, lp))
         elapsed = time.perf_counter() - start
         for job in rows:
             job.compute_s += elapsed
@@ -182,7 +188,8 @@ class Prefiller:
             out[i] = self._package(rows[i], firsts[i])
         return out
 
-    def _package(self, job: PrefillJob, firsts: list[int]) -> KVPackage:
+    def _package(self, job: PrefillJob,
+                 firsts: list[tuple[int, TokenLogprobs | None]]) -> KVPackage:
         kv = job.kv()
         assert kv is not None and kv.shape[3] == job.req.num_tokens
         if self.prefix_cache is not None:
@@ -193,12 +200,14 @@ class Prefiller:
             fingerprint=self.fingerprint,
             kv=kv,
             prompt_token_ids=list(r.prompt_token_ids),
-            first_token=firsts[0],
+            first_token=firsts[0][0],
+            first_logprobs=firsts[0][1],
             sampling=r.sampling,
             vocab_size=self.runner.vocab_size,
             created_at=time.time(),
             prefill_s=job.compute_s,
             output_offset=r.output_offset,
             cached_tokens=job.cached,
-            choice_first_tokens=tuple(firsts) if r.n > 1 else (),
+            choice_first_tokens=tuple(t for t, _ in firsts) if r.n > 1 else (),
+            choice_first_logprobs=tuple(lp for _, lp in firsts) if r.n > 1 else (),
         )

@@ -2,8 +2,7 @@
 
 Requests forbid unknown fields, so an option this server does not implement gets a 400 that
 names it instead of being silently ignored. Fields that OpenAI clients commonly send with
-their neutral value (``presence_penalty=0``, ``logprobs=false``...) are accepted only with
-that value.
+their neutral value (``best_of=1``, ``echo=false``...) are accepted only with that value.
 """
 
 from __future__ import annotations
@@ -15,11 +14,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from app.errors import InvalidRequestError
 from app.messages import FinishReason
-from app.sampling import SamplingParams
+from app.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_STOP = 16
 MAX_N = 8  # answers per request (n): one prefill, n decode streams
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's bound (chat allows MAX_LOGPROBS)
 
 
 class _Neutral(BaseModel):
@@ -31,18 +32,12 @@ class _Neutral(BaseModel):
         1, description=f"Number of answers (1 to {MAX_N}): the prompt is prefilled once and "
         "answer k samples with seed + k.")
     best_of: int | None = Field(None, description="Only 1 (or unset) is supported.")
-    presence_penalty: float | None = Field(0.0, description="Only 0 is supported.")
-    frequency_penalty: float | None = Field(0.0, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty).")
     user: str | None = Field(None, description="End-user id; accepted and ignored.")
 
     @model_validator(mode="after")
     def _neutral_only(self):
         checks = {
             "best_of": self.best_of in (None, 1),
-            "presence_penalty": not self.presence_penalty,
-            "frequency_penalty": not self.frequency_penalty,
-            "logit_bias": not self.logit_bias,
         }
         for name, ok in checks.items():
             if not ok:
@@ -73,6 +68,19 @@ class _SamplingFields(_Neutral):
     ignore_eos: bool = Field(False, description="Keep generating past EOS (vLLM extension).")
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = Field(
         None, description="Penalty on tokens already seen (vLLM extension); 1.0 is off.")
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = Field(
+        None, description="Subtracted from the logit of every token already in the output.")
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = Field(
+        None, description="Subtracted from a token's logit once per time it is in the output.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description=f"Token id (as a string) -> bias in [-100, 100] added to its logit; "
+        f"at most {MAX_LOGIT_BIAS} entries.")
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = Field(
+        None, description="Drop tokens less likely than min_p x the most likely (vLLM "
+        "extension); 0 is off.")
+    min_tokens: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="EOS and stop_token_ids cannot end the output before this many "
+        "tokens (vLLM extension).")
     stream: bool = Field(False, description="Stream Server-Sent Events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
 
@@ -88,14 +96,38 @@ class _SamplingFields(_Neutral):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v):
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
+        for token, bias in v.items():
+            if not token.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {token}")
+        return v
+
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per output token when logprobs were asked for, else None."""
+        return None
+
     def stop_tuple(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        min_tokens = self.min_tokens or 0
+        if min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})",
+                param="min_tokens")
         return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
@@ -104,6 +136,13 @@ class _SamplingFields(_Neutral):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            min_p=self.min_p or 0.0,
+            min_tokens=min_tokens,
+            logit_bias=tuple(sorted({int(t): b for t, b in (self.logit_bias or {}).items()}
+                                    .items())),
+            logprobs=self.top_logprobs_wanted(),
         )
 
 
@@ -124,17 +163,25 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation.")
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(
         None, description="OpenAI's newer name for max_tokens.")
-    logprobs: bool | None = Field(False, description="Not supported (must be false).")
+    logprobs: bool | None = Field(
+        False, description="Return each output token's logprob (of the model's raw "
+        "distribution, before temperature, penalties and biases).")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description=f"With logprobs: also the 0 to {MAX_LOGPROBS} most likely tokens "
+        "at each position.")
 
     @model_validator(mode="after")
     def _chat_checks(self):
-        if self.logprobs:
-            raise ValueError("logprobs: not supported by this server")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise ValueError("max_tokens and max_completion_tokens disagree")
             self.max_tokens = self.max_completion_tokens
         return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
@@ -144,15 +191,16 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="Text or token ids (one prompt per request).")
     echo: bool = Field(False, description="Not supported (must be false).")
-    logprobs: int | None = Field(None, description="Not supported (must be null).")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = Field(
+        None, description=f"Return each output token's logprob (of the model's raw "
+        f"distribution) and the 0 to {MAX_COMPLETION_LOGPROBS} most likely tokens at its "
+        "position.")
     suffix: str | None = Field(None, description="Not supported (must be null).")
 
     @model_validator(mode="after")
     def _completion_checks(self):
         if self.echo:
             raise ValueError("echo: not supported by this server")
-        if self.logprobs is not None:
-            raise ValueError("logprobs: not supported by this server")
         if self.suffix is not None:
             raise ValueError("suffix: not supported by this server")
         p = self.prompt
@@ -161,6 +209,9 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError("prompt: one prompt per request is supported")
             self.prompt = p[0]
         return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 # ---- endpoints --------------------------------------------------------------------------
@@ -209,6 +260,32 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat's ``choices[].logprobs``: one entry per output token."""
+
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    """The completions API's ``choices[].logprobs``: parallel lists, one item per output
+    token; ``top_logprobs`` maps token text to logprob (the chosen token included)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -218,14 +295,14 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -248,7 +325,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class StreamChunk(BaseModel):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from app.errors import ContextLengthError, InvalidRequestError
 from app.messages import FinishReason
-from app.sampling import SamplingParams
+from app.sampling import SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -65,6 +65,7 @@ class Sequence:
     # time.perf_counter() when the decode loop took it (queued) and when it joined the batch
     enqueued_at: float | None = None
     joined_at: float | None = None
+    last_logprobs: TokenLogprobs | None = None  # of the last token, when asked for
 
     @property
     def next_step(self) -> int:
@@ -85,6 +86,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every output token of the stream so far: those delivered before a resume (the
+        prompt's last ``output_offset`` tokens), then this sequence's."""
+        return self.prompt_token_ids[self.prompt_len - self.output_offset:] + self.output_token_ids
 
     @property
     def last_token(self) -> int:

@@ -29,7 +29,7 @@ class ColocatedServer(DecodeReplica):
     def __init__(self, args: dict[str, Any]) -> None:
         super().__init__(args, "colocated")
         self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
-                                      PrefillMetrics())
+                                      PrefillMetrics(), eos_token_ids=self.eos_token_ids)
 
     async def generate_local(self, req: PrefillRequest) -> AsyncIterator[StreamStart | TokenEvent]:
         """Prefill ``req`` here (batched with prompts that arrive together), then stream its

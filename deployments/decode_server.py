@@ -20,7 +20,7 @@ class DecodeServer(DecodeReplica):
     def __init__(self, args: dict[str, Any]) -> None:
         super().__init__(args, "decode")
         # short prompts are prefilled here (conditional disaggregation): same code, same model
-        self.prefiller = self.core.make_prefiller()
+        self.prefiller = self.core.make_prefiller(self.eos_token_ids)
         self.tpot_window_s = self.args.decode.latency_window_s
         self.local_prefills = 0  # streams that were prefilled here
         self.local_prefilling = 0  # of those, still in their prefill

@@ -22,7 +22,7 @@ from app.chat import PromptBuilder
 from app.errors import InvalidRequestError, ModelNotFoundError, NotFoundError, QueueFullError
 from app.messages import PrefillRequest
 from app.model_loader import load_tokenizer, read_model_shape
-from app.output import StreamDelta, text_deltas
+from app.output import LogprobText, StreamDelta, text_deltas
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -162,13 +162,15 @@ class Ingress:
         preq = self.prepare(endpoint, req)
         streams = await self.answers(endpoint, preq, trace)
 
-        async def collect(stream: AsyncIterator[StreamDelta]) -> tuple[str, int, Any]:
-            text, n_out, finish = "", 0, None
+        async def collect(stream: AsyncIterator[StreamDelta]
+                          ) -> tuple[str, int, Any, list[LogprobText]]:
+            text, n_out, finish, logprobs = "", 0, None, []
             async for delta in stream:
                 text += delta.text
                 n_out += len(delta.token_ids)
                 finish = delta.finish_reason or finish
-            return text, n_out, finish
+                logprobs += delta.logprobs or []
+            return text, n_out, finish, logprobs
 
         tasks = [asyncio.ensure_future(collect(s)) for s in streams]
         try:
@@ -179,8 +181,10 @@ class Ingress:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return completion_body(endpoint, preq.request_id, self.model_name,
-                               [(text, finish) for text, _, finish in results],
-                               preq.num_tokens, sum(n for _, n, _ in results))
+                               [(text, finish) for text, _, finish, _ in results],
+                               preq.num_tokens, sum(n for _, n, _, _ in results),
+                               [lps for *_, lps in results]
+                               if preq.sampling.logprobs is not None else None)
 
     async def indexed_deltas(self, endpoint: Endpoint,
                              preq: PrefillRequest) -> AsyncIterator[tuple[int, StreamDelta]]:

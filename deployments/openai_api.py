@@ -28,7 +28,7 @@ from app.errors import (
     PayloadTooLargeError,
 )
 from app.messages import FinishReason
-from app.output import StreamDelta
+from app.output import LogprobText, StreamDelta
 from app.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -205,18 +205,45 @@ def _reason(finish: FinishReason | None) -> str | None:
     return None if finish is None else finish.value
 
 
+def chat_logprobs(entries: list[LogprobText]) -> dict[str, Any]:
+    """Chat's ``logprobs`` of some output tokens (``app.protocol.ChatLogprobs``)."""
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(*t) for t in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list[LogprobText], text_offset: int = 0) -> dict[str, Any]:
+    """The completions API's ``logprobs`` of some output tokens, the first at character
+    ``text_offset`` of the answer (``app.protocol.CompletionLogprobs``)."""
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{**dict(e.top), e.token: e.logprob} for e in entries],
+            "text_offset": offsets}
+
+
 def completion_body(endpoint: Endpoint, request_id: str, model: str,
                     answers: list[tuple[str, FinishReason | None]], prompt_tokens: int,
-                    completion_tokens: int) -> dict[str, Any]:
-    """A whole (non-streamed) answer as a JSON-ready dict: one choice per (text, finish)."""
+                    completion_tokens: int,
+                    logprobs: list[list[LogprobText]] | None = None) -> dict[str, Any]:
+    """A whole (non-streamed) answer as a JSON-ready dict: one choice per (text, finish),
+    with each answer's ``logprobs`` when the request asked for them."""
     choices: list[ChatChoice] | list[CompletionChoice]
+    shape = chat_logprobs if endpoint is Endpoint.CHAT else completion_logprobs
+    lps = ([shape(entries) for entries in logprobs] if logprobs is not None
+           else [None] * len(answers))
     if endpoint is Endpoint.CHAT:
         choices = [ChatChoice(index=k, message=AssistantMessage(content=text),
-                              finish_reason=finish)
-                   for k, (text, finish) in enumerate(answers)]
+                              finish_reason=finish, logprobs=lp)
+                   for k, ((text, finish), lp) in enumerate(zip(answers, lps, strict=True))]
     else:
-        choices = [CompletionChoice(index=k, text=text, finish_reason=finish)
-                   for k, (text, finish) in enumerate(answers)]
+        choices = [CompletionChoice(index=k, text=text, finish_reason=finish, logprobs=lp)
+                   for k, ((text, finish), lp) in enumerate(zip(answers, lps, strict=True))]
     return CompletionResponse(
         id=request_id, object=endpoint.object_name, created=now(), model=model,
         choices=choices, usage=Usage.of(prompt_tokens, completion_tokens),
@@ -233,21 +260,29 @@ async def stream_chunks(endpoint: Endpoint, request_id: str, model: str, prompt_
             "model": model}
     chat = endpoint is Endpoint.CHAT
     started: set[int] = set()
+    text_offsets: dict[int, int] = {}  # completions' logprobs: characters sent per choice
     n_out = 0
     async for index, delta in deltas:
         n_out += len(delta.token_ids)
         first = index not in started
-        if not (delta.text or delta.finish_reason or first):
+        if not (delta.text or delta.finish_reason or first or delta.logprobs):
             continue
         finish = _reason(delta.finish_reason)
+        logprobs = None
+        if delta.logprobs and chat:
+            logprobs = chat_logprobs(delta.logprobs)
+        elif delta.logprobs:
+            logprobs = completion_logprobs(delta.logprobs, text_offsets.get(index, 0))
+            text_offsets[index] = text_offsets.get(index, 0) + sum(
+                len(e.token) for e in delta.logprobs)
         if chat:
             content: dict[str, Any] = ({"role": "assistant", "content": delta.text} if first
                                        else {"content": delta.text})
             choice = {"index": index, "delta": content, "finish_reason": finish,
-                      "logprobs": None}
+                      "logprobs": logprobs}
         else:
             choice = {"index": index, "text": delta.text, "finish_reason": finish,
-                      "logprobs": None}
+                      "logprobs": logprobs}
         started.add(index)
         yield {**head, "choices": [choice]}
     if include_usage:

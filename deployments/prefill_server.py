@@ -17,7 +17,12 @@ from app.messages import PrefillRequest
 from deployments import autoscaling
 from deployments.args import AppArgs
 from deployments.metrics import PrefillMetrics
-from deployments.replica import PrefillQueue, current_replica_id, inject_fault
+from deployments.replica import (
+    PrefillQueue,
+    current_replica_id,
+    inject_fault,
+    model_eos_token_ids,
+)
 
 
 @serve.deployment(name="PrefillServer")
@@ -28,7 +33,8 @@ class PrefillServer:
         self.throughput = autoscaling.ThroughputWindow()
         self.latency = autoscaling.LatencyWindow(self.args.prefill.latency_window_s)
         self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
-                                      PrefillMetrics(), on_batch=self.throughput.add)
+                                      PrefillMetrics(), on_batch=self.throughput.add,
+                                      eos_token_ids=model_eos_token_ids(self.core))
         self.node_id = ray.get_runtime_context().get_node_id()
 
     async def make_kv_package(self, req: PrefillRequest) -> KVPackage:

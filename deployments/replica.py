@@ -28,6 +28,13 @@ from deployments.metrics import DecodeMetrics, PrefillMetrics
 logger = logging.getLogger(__name__)
 
 
+def model_eos_token_ids(core: EngineCore) -> frozenset[int]:
+    """The tokens that end a sequence: the decoder stops on them, and a prefill masks them
+    from a first token under ``min_tokens``, so both phases must agree."""
+    return PromptBuilder(load_tokenizer(core.config)).eos_token_ids(
+        getattr(core.model, "generation_config", None))
+
+
 def current_replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -87,9 +94,10 @@ class PrefillQueue:
     next pass. Counts what waits and what was computed."""
 
     def __init__(self, core: EngineCore, wait_s: float, metrics: PrefillMetrics,
-                 on_batch: Callable[[int, int, float], None] | None = None) -> None:
+                 on_batch: Callable[[int, int, float], None] | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.core = core
-        self.prefiller = core.make_prefiller()
+        self.prefiller = core.make_prefiller(eos_token_ids)
         self.wait_s = wait_s  # how long a first arrival waits for company
         self.metrics = metrics
         self.on_batch = on_batch  # (prompts finished, prompt tokens computed, seconds) per pass
@@ -217,10 +225,8 @@ class DecodeReplica:
         self.args = AppArgs.model_validate(args)
         cfg: EngineConfig = self.args.engine_config(phase)
         self.core = EngineCore(cfg)
-        eos = PromptBuilder(load_tokenizer(cfg)).eos_token_ids(
-            getattr(self.core.model, "generation_config", None)
-        )
-        self.loop = self.core.make_decode_loop(eos)
+        self.eos_token_ids = model_eos_token_ids(self.core)
+        self.loop = self.core.make_decode_loop(self.eos_token_ids)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.replica_id = current_replica_id()
         self.metrics = DecodeMetrics()
