@@ -193,7 +193,7 @@ def sample_tokens(
             continue
         row = logits[i]
         if not p.plain:
-            row = _process_row(row, p, steps[i], history[i] if history else None,
+            row = process_logits(row, p, steps[i], history[i] if history else None,
                                outputs[i] if outputs else None, eos_token_ids)
         if p.greedy:
             out[i] = int(row.argmax())
@@ -202,7 +202,7 @@ def sample_tokens(
     return out
 
 
-def _process_row(row: torch.Tensor, p: SamplingParams, step: int, seen: list[int] | None,
+def process_logits(row: torch.Tensor, p: SamplingParams, step: int, seen: list[int] | None,
                  output: list[int] | None, eos_token_ids: frozenset[int]) -> torch.Tensor:
     """``row`` after min_tokens, logit_bias and the penalties (a new tensor; [V] float32)."""
     row = row.clone()

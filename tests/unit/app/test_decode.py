@@ -261,3 +261,64 @@ async def test_first_decode_step_event_reports_queue_time(tiny_model):
         assert all(q is None for q in queued[2:])
     # batch of one: the second sequence waited for the first to finish its 5 decode steps
     assert second[1].decode_queue_s > first[1].decode_queue_s
+
+
+async def test_logprobs_of_a_greedy_run_are_the_models_log_softmax(tiny_model):
+    """The first token's logprobs come from prefill (in the KV package), the rest from
+    decode steps; all are the model's raw log-softmax at their positions."""
+    import torch
+
+    core = _core(tiny_model)
+    prompt = _prompts(1, seed=31)[0]
+    loop = core.make_decode_loop(frozenset())
+    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    [pkg] = core.make_prefiller().make_packages([PrefillRequest("lp", tuple(prompt), sp)])
+    events = [ev async for ev in loop.generate(pkg)]
+    await loop.close()
+    out = [e.token_id for e in events]
+    assert out == hf_greedy(tiny_model, prompt, 6)
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+    ref = torch.log_softmax(logits.float(), -1)
+    for i, ev in enumerate(events):
+        lp = ev.logprobs
+        assert lp is not None and lp.token_id == out[i]
+        assert lp.logprob == pytest.approx(ref[i, out[i]].item(), abs=1e-4)
+        top = ref[i].topk(3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    # n > 1: each answer's first token carries its own logprobs
+    hot = SamplingParams(max_tokens=2, temperature=1.5, seed=3, logprobs=0)
+    [multi] = core.make_prefiller().make_packages([PrefillRequest("m", tuple(prompt), hot, n=3)])
+    for k in range(3):
+        answer = multi.for_choice(k)
+        assert answer.first_logprobs.token_id == answer.first_token
+        assert answer.first_logprobs.logprob == pytest.approx(
+            ref[0, answer.first_token].item(), abs=1e-4)
+    # not asked for: none computed, none sent
+    loop = core.make_decode_loop(frozenset())
+    [plain] = core.make_prefiller().make_packages(
+        [PrefillRequest("p", tuple(prompt), SamplingParams(max_tokens=3, temperature=0.0))])
+    assert plain.first_logprobs is None
+    assert [ev.logprobs async for ev in loop.generate(plain)] == [None] * 3
+    await loop.close()
+
+
+async def test_min_tokens_holds_eos_off_in_prefill_and_decode(tiny_model):
+    core = _core(tiny_model)
+    prompt = _prompts(1, seed=33)[0]
+    ref = hf_greedy(tiny_model, prompt, 8)
+    for eos_at in (0, 2):  # EOS is the first token (prefill's) or a decode step's
+        eos = frozenset({ref[eos_at]})
+        loop = core.make_decode_loop(eos)
+        prefiller = core.make_prefiller(eos)
+        early = SamplingParams(max_tokens=8, temperature=0.0)
+        held = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=5)
+        [a, b] = prefiller.make_packages([PrefillRequest("a", tuple(prompt), early),
+                                          PrefillRequest("b", tuple(prompt), held)])
+        stopped = [ev.token_id async for ev in loop.generate(a)]
+        longer = [ev.token_id async for ev in loop.generate(b)]
+        await loop.close()
+        assert stopped == ref[:eos_at + 1]
+        assert ref[eos_at] not in longer[:5] and len(longer) >= 5
+        assert longer[:eos_at] == ref[:eos_at]

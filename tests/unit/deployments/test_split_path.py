@@ -6,6 +6,7 @@ retry cannot fix."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -290,3 +291,73 @@ def test_n_answers_on_the_local_path_prefill_each_on_its_own():
     path = split_path(None, decode)
     preq = PrefillRequest("req", (1, 2, 3), SamplingParams(max_tokens=4, seed=1), n=2)
     assert asyncio.run(path.shared_prefill(preq)) is None
+
+
+@pytest.mark.parametrize(("temperature", "presence", "frequency"),
+                         [(0.0, 2.0, 2.0), (0.9, -2.0, -1.0)])
+def test_a_resumed_stream_keeps_its_penalties_min_tokens_and_logprobs(
+        temperature, presence, frequency):
+    """A lost decode replica mid-stream: the retry SplitPath builds (prompt + delivered tokens,
+    output_offset) continues the penalized stream exactly, because the penalties count the
+    delivered tokens as output and min_tokens counts the stream's index. Also: the stream is
+    the same when it shares its batch with others. A model with flat logits over a small
+    vocabulary, so the penalties decide tokens (greedy alone repeats one token)."""
+    from app.config import EngineConfig
+    from app.engine_core import EngineCore
+    from tests.conftest import make_tiny_model
+
+    core = EngineCore(EngineConfig(), model=make_tiny_model(vocab_size=512,
+                                                            initializer_range=0.02))
+    eos = frozenset({2})
+    prefiller = core.make_prefiller(eos)
+    sp = SamplingParams(max_tokens=14, temperature=temperature, seed=5,
+                        presence_penalty=presence, frequency_penalty=frequency, min_tokens=10,
+                        logprobs=1)
+    preq = PrefillRequest("pen", tuple(range(300, 320)), sp)
+
+    async def scenario():
+        loop = core.make_decode_loop(eos)
+
+        async def whole(req: PrefillRequest, crowd: int = 0) -> list[TokenEvent]:
+            others = [PrefillRequest(f"o{i}", tuple(range(400 + i, 430)),
+                                     SamplingParams(max_tokens=14, temperature=1.0, seed=i))
+                      for i in range(crowd)]
+            async def events(pkg):
+                return [ev async for ev in loop.generate(pkg)]
+
+            pkgs = prefiller.make_packages([req, *others])
+            return (await asyncio.gather(*(events(p) for p in pkgs)))[0]
+
+        seen: list[PrefillRequest] = []
+
+        def local(req: PrefillRequest) -> FakeCall:
+            seen.append(req)
+            fail = len(seen) == 1
+
+            async def gen():
+                yield start()
+                [pkg] = prefiller.make_packages([req])
+                async for ev in loop.generate(pkg):
+                    if fail and ev.index == 6:
+                        raise ray.exceptions.ActorDiedError()
+                    yield ev
+            return FakeCall(stream=gen())
+
+        path = split_path(None, FakeHandle(generate_local=local))
+        resumed = [ev async for ev in path.resumable_stream(preq, RequestTrace())]
+        alone, crowded = await whole(preq), await whole(preq, crowd=3)
+        unpenalized = await whole(dataclasses.replace(
+            preq, sampling=dataclasses.replace(sp, presence_penalty=0.0, frequency_penalty=0.0)))
+        await loop.close()
+        return seen, resumed, alone, crowded, unpenalized
+
+    seen, resumed, alone, crowded, unpenalized = asyncio.run(scenario())
+    assert seen[1].output_offset == 6 and len(seen) == 2
+    tokens = [e.token_id for e in alone]
+    assert [e.token_id for e in resumed] == tokens == [e.token_id for e in crowded]
+    assert [e.index for e in resumed] == list(range(len(tokens)))
+    assert [e.logprobs.token_id for e in resumed] == tokens
+    assert [e.logprobs.logprob for e in resumed] == pytest.approx(
+        [e.logprobs.logprob for e in alone], abs=1e-4)
+    assert 2 not in tokens[:10]
+    assert [e.token_id for e in unpenalized] != tokens  # the penalties were in force
