@@ -187,7 +187,7 @@ def test_vanishing_temperature_is_greedy_not_nan():
     """Found by fuzzing the API: temperature 1e-82 divided logits to inf and softmax to NaN."""
     import torch
 
-    from app.sampling import SamplingParams, process_logits, sample_tokens, token_logprobs
+    from app.sampling import SamplingParams, sample_tokens
 
     logits = torch.tensor([[0.1, 3.0, -2.0, 2.9]])
     for t in (1e-82, 1e-6):
