@@ -5,7 +5,8 @@ A request travels ingress -> prefill -> decode -> ingress as four messages:
 * ``PrefillRequest`` (ingress -> prefill, or -> a decode replica that prefills locally): a
   tokenized, validated prompt with concrete sampling settings.
 * ``KVPackage`` (prefill -> object store -> decode; defined in ``app.kv_package`` next to its
-  tensor code): the prompt's KV cache, its first token and its sampling state.
+  tensor code): the prompt's KV cache, its first token (with its logprobs when asked for)
+  and its sampling state.
 * ``StreamStart`` (decode -> ingress, first item of every stream): where and how the KV
   package arrived.
 * ``TokenEvent`` (decode -> ingress, every later item): one output token, or the end of the
