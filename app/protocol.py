@@ -104,7 +104,7 @@ class _SamplingFields(_Neutral):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
         for token, bias in v.items():
-            if not token.isdigit():
+            if not (token.isascii() and token.isdigit() and len(token) <= 18):
                 raise ValueError(f"keys must be token ids (non-negative integers), got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {token}")

@@ -172,6 +172,8 @@ def _bad(model, body: dict) -> InvalidRequestError:
     ({"min_p": 1.2}, "min_p"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit to isdigit(), not to int()
+    ({"logit_bias": {"-3": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"logprobs": 6}, "logprobs"),
