@@ -194,7 +194,7 @@ def sample_tokens(
         row = logits[i]
         if not p.plain:
             row = process_logits(row, p, steps[i], history[i] if history else None,
-                               outputs[i] if outputs else None, eos_token_ids)
+                                 outputs[i] if outputs else None, eos_token_ids)
         if p.greedy:
             out[i] = int(row.argmax())
             continue
@@ -203,7 +203,7 @@ def sample_tokens(
 
 
 def process_logits(row: torch.Tensor, p: SamplingParams, step: int, seen: list[int] | None,
-                 output: list[int] | None, eos_token_ids: frozenset[int]) -> torch.Tensor:
+                   output: list[int] | None, eos_token_ids: frozenset[int]) -> torch.Tensor:
     """``row`` after min_tokens, logit_bias and the penalties (a new tensor; [V] float32)."""
     row = row.clone()
     if step < p.min_tokens:
