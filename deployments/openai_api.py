@@ -215,7 +215,7 @@ def client_request_id(given: str | None) -> str:
     """The id a request is known by to its client and in logs: ``given`` (the client's
     X-Request-Id) when it is 1 to 128 visible ASCII characters, else Serve's id for the
     request if that is, else a new one. Only ever echoed and logged: the id that keys the
-    request inside the system adds a unique suffix (``app.protocol.internal_id``)."""
+    request inside the system adds a unique suffix (``app.protocol.new_id``)."""
     for candidate in (given, serve_request_id()):
         if candidate and len(candidate) <= MAX_REQUEST_ID and _VISIBLE.fullmatch(candidate):
             return candidate
