@@ -53,18 +53,21 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
 
-    def chat_text(self, messages: Seq[dict[str, Any]]) -> str:
+    def chat_text(self, messages: Seq[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         msgs = normalize_messages(messages)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions with a prompt",
                 param="messages",
             )
-        return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
-    def encode_chat(self, messages: Seq[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Seq[dict[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
         # the template already holds the special tokens
-        return list(self.tokenizer.encode(self.chat_text(messages), add_special_tokens=False))
+        text = self.chat_text(messages, add_generation_prompt)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):

@@ -223,9 +223,10 @@ class DecodeLoop:
         return len(self._pending_adds) + len(self.decoder.waiting)
 
     def _ensure_task(self) -> None:
-        if self._wakeup is None:
-            self._wakeup = asyncio.Event()
         if self._task is None or self._task.done():
+            # a new task may run on a new event loop (an engine used from several
+            # asyncio.run calls); the event must belong to the loop that waits on it
+            self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="decode-loop")
 
     async def generate(self, package: KVPackage) -> AsyncIterator[TokenEvent]:

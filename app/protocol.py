@@ -1,8 +1,11 @@
 """OpenAI-compatible request and response bodies (pydantic: the HTTP edge only).
 
-Requests forbid unknown fields, so an option this server does not implement gets a 400 that
-names it instead of being silently ignored. Fields that OpenAI clients commonly send with
-their neutral value (``best_of=1``, ``echo=false``...) are accepted only with that value.
+Field policy (``FIELD_POLICY``, the same table as README's "Request fields"), like vLLM's:
+clients (LangChain, LiteLLM, newer OpenAI SDKs) send fields that change nothing here, and a
+400 for those breaks them. So an unknown field is ignored, and reported (``ignored_fields``:
+the ingress logs it and returns it in ``X-Ignored-Fields``). A known field that this server
+cannot honour is accepted only at its neutral value (``tools: []``, ``echo: false``...);
+any other value would change the output, so it gets a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -12,7 +15,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from app.errors import InvalidRequestError
 from app.messages import FinishReason
@@ -22,11 +33,144 @@ MAX_STOP = 16
 MAX_N = 8  # answers per request (n): one prefill, n decode streams
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's bound (chat allows MAX_LOGPROBS)
 
+SUPPORTED, IGNORED = "supported", "ignored"
 
-class _Neutral(BaseModel):
+
+def _neutral(value: str) -> str:
+    return f"neutral only: {value}"
+
+
+# Every field of the generation bodies: "supported" (honoured), "ignored" (any value, changes
+# nothing here) or "neutral only: <value>" (any other value is a 400 naming the field). Nested
+# fields are "parent.field". A field not listed is unknown: ignored and reported. README's
+# "Request fields" table is this one (tests/unit/deployments/test_field_policy.py).
+FIELD_POLICY: dict[str, str] = {
+    "model": SUPPORTED,
+    "messages": SUPPORTED,
+    "messages.role": SUPPORTED,
+    "messages.content": SUPPORTED,
+    "messages.name": SUPPORTED,
+    "messages.tool_calls": _neutral("null or []"),
+    "prompt": SUPPORTED,
+    "max_tokens": SUPPORTED,
+    "max_completion_tokens": SUPPORTED,
+    "temperature": SUPPORTED,
+    "top_p": SUPPORTED,
+    "top_k": SUPPORTED,
+    "seed": SUPPORTED,
+    "stop": SUPPORTED,
+    "stop_token_ids": SUPPORTED,
+    "ignore_eos": SUPPORTED,
+    "repetition_penalty": SUPPORTED,
+    "presence_penalty": SUPPORTED,
+    "frequency_penalty": SUPPORTED,
+    "min_p": SUPPORTED,
+    "min_tokens": SUPPORTED,
+    "logit_bias": SUPPORTED,
+    "logprobs": SUPPORTED,
+    "top_logprobs": SUPPORTED,
+    "n": SUPPORTED,
+    "stream": SUPPORTED,
+    "stream_options": SUPPORTED,
+    "stream_options.include_usage": SUPPORTED,
+    "stream_options.continuous_usage_stats": IGNORED,
+    "best_of": _neutral("1 or null"),
+    "echo": _neutral("false"),
+    "suffix": _neutral("null"),
+    "tools": _neutral("null or []"),
+    "tool_choice": _neutral('null, "none", or "auto" without tools'),
+    "functions": _neutral("null or []"),
+    "function_call": _neutral('null or "none"'),
+    "response_format": _neutral('null or {"type": "text"}'),
+    "store": _neutral("false or null"),
+    "parallel_tool_calls": IGNORED,
+    "metadata": IGNORED,
+    "user": IGNORED,
+    "service_tier": IGNORED,
+}
+
+
+class _Lenient(BaseModel):
+    """A body that ignores unknown keys and remembers which it ignored (``ignored_fields``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data: Any, handler: Any) -> Any:
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, _Lenient):
+            model._ignored = tuple(str(k) for k in data if k not in cls.model_fields)
+        return model
+
+    def ignored_fields(self) -> list[str]:
+        """The unknown keys of this body and of its nested objects, as dotted paths without
+        list indices (``stream_options.foo``, ``messages.refusal``), sorted, each once."""
+        names = set(self._ignored)
+        for field in type(self).model_fields:
+            value = getattr(self, field)
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, _Lenient):
+                    names.update(f"{field}.{n}" for n in item.ignored_fields())
+        return sorted(names)
+
+
+def _only(field: str, ok: bool, neutral: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: only {neutral} is supported by this server (any other "
+                         "value would change the output)")
+
+
+class _ToolFields(_Lenient):
+    """OpenAI options this server cannot honour, accepted at the values that change nothing."""
+
+    tools: list[dict[str, Any]] | None = Field(None, description="Only null or [] (no tools).")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='Only null, "none", or "auto" without tools.')
+    functions: list[dict[str, Any]] | None = Field(None, description="Only null or [].")
+    function_call: str | dict[str, Any] | None = Field(None, description='Only null or "none".')
+    response_format: dict[str, Any] | None = Field(
+        None, description='Only null or {"type": "text"}.')
+    store: bool | None = Field(None, description="Only false or null (nothing is stored).")
+    parallel_tool_calls: bool | None = Field(None, description="Ignored (no tools).")
+    metadata: dict[str, Any] | None = Field(None, description="Ignored.")
+    service_tier: str | None = Field(None, description="A hint; ignored.")
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: list[dict[str, Any]] | None, info: ValidationInfo) -> Any:
+        _only(str(info.field_name), not v, "null or [] (no tools)")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v: Any, info: ValidationInfo) -> Any:
+        _only("tool_choice", v in (None, "none") or (v == "auto" and not info.data.get("tools")),
+              'null, "none", or "auto" without tools')
+        return v
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, v: Any) -> Any:
+        _only("function_call", v in (None, "none"), 'null or "none"')
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v: dict[str, Any] | None) -> Any:
+        _only("response_format", v is None or v.get("type") == "text", '{"type": "text"}')
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _no_store(cls, v: bool | None) -> Any:
+        _only("store", not v, "false")
+        return v
+
+
+class _Neutral(_ToolFields):
     """Options accepted only at the value that means 'off'."""
-
-    model_config = ConfigDict(extra="forbid")
 
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(
         1, description=f"Number of answers (1 to {MAX_N}): the prompt is prefilled once and "
@@ -45,8 +189,7 @@ class _Neutral(BaseModel):
         return self
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(_Lenient):
     include_usage: bool = Field(False, description="Send a final chunk with token usage.")
     continuous_usage_stats: bool = Field(False, description="Accepted for vLLM compatibility.")
 
@@ -146,17 +289,29 @@ class _SamplingFields(_Neutral):
         )
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(_Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = Field(
+        None, description="Required but on an assistant message.")
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="Only null or [].")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v: list[dict[str, Any]] | None) -> Any:
+        _only("tool_calls", not v, "null or [] (no tools)")
+        return v
+
+    @model_validator(mode="after")
+    def _content_or_assistant(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError("content: null only on an assistant message")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -353,6 +508,44 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeRequest(_Lenient):
+    """vLLM's ``/tokenize`` body: a ``prompt``, or chat ``messages`` (through the chat
+    template)."""
+
+    model: str | None = Field(None, description="Model name; must match the served model.")
+    prompt: str | None = Field(None, description="Text, tokenized as /v1/completions does.")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="A conversation, tokenized as /v1/chat/completions "
+        "does.")
+    add_generation_prompt: bool = Field(
+        True, description="With messages: end with the assistant's turn header.")
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = Field(None, description="Model name; must match the served model.")
+    tokens: list[int] = Field(..., description="Token ids of the model's vocabulary.")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -366,8 +559,11 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, client_id: str) -> str:
+    """A request's id inside the system (the response's ``id``, the key of its decode stream,
+    in every process's logs): the client's id for the request, so logs everywhere carry it,
+    plus a random suffix, so two requests that share a client id never share this one."""
+    return f"{prefix}-{client_id}-{uuid.uuid4().hex[:16]}"
 
 
 def now() -> int:

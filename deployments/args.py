@@ -170,6 +170,10 @@ class IngressArgs(_Deployment):
         # Serve's bound; max_in_flight answers 429 before it is reached.
         "max_ongoing_requests": 1024,
         "max_queued_requests": 256,
+        # A replaced ingress (redeploy) keeps serving its open streams as decode does;
+        # Serve's own 20 s would cut any stream longer than that.
+        "graceful_shutdown_timeout_s": 600.0,
+        "graceful_shutdown_wait_loop_s": 1.0,
     }
 
     resource_tag: str | None = Field(

@@ -7,12 +7,14 @@ phases (``deployments.split_path``), detokenizes the token stream and shapes the
 
 # No `from __future__ import annotations` here: FastAPI must see the real types.
 import asyncio
+import importlib.metadata
+import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import ray
-from fastapi import Query
+from fastapi import Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
@@ -27,9 +29,14 @@ from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     Endpoint,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
     new_id,
 )
 from app.sequence import validate_prompt
@@ -37,8 +44,10 @@ from deployments.args import AppArgs
 from deployments.metrics import IngressMetrics
 from deployments.openai_api import (
     ERROR_RESPONSES,
+    IGNORED_FIELDS_HEADER,
     SSE_RESPONSE,
     api,
+    client_request_id,
     completion_body,
     error_response,
     merge_streams,
@@ -50,6 +59,15 @@ from deployments.request_trace import RequestTrace, TraceHistory
 from deployments.split_path import SplitPath, choice_request, unwrap_error
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("splitserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown"
 
 
 @serve.deployment(name="Ingress")
@@ -87,16 +105,30 @@ class Ingress:
         except ValidationError as exc:
             raise validation_error(exc.errors()) from None
 
-    def prepare(self, endpoint: Endpoint, req: GenerationRequest) -> PrefillRequest:
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(
+                f"model {model!r} is not served here; this server serves {self.model_name!r}")
+
+    def ignored(self, body: Any, client_id: str) -> dict[str, str]:
+        """Log the unknown fields of a body (once per request) and return the response header
+        that reports them."""
+        names = body.ignored_fields()
+        if not names:
+            return {}
+        logger.warning("request %s: ignored unknown fields: %s", client_id, ", ".join(names))
+        return {IGNORED_FIELDS_HEADER: ",".join(names)}
+
+    def prepare(self, endpoint: Endpoint, req: GenerationRequest,
+                client_id: str) -> PrefillRequest:
         """Admit, tokenize and check a request against the model: every 4xx is raised here,
-        before any replica is involved."""
+        before any replica is involved. ``client_id``: the request's id to its client
+        (``client_request_id``), which its internal id carries."""
         if self.in_flight >= self.args.ingress.max_in_flight:
             raise QueueFullError(
                 f"the server is at capacity ({self.in_flight} requests in flight); retry later",
                 retry_after_s=1.0)
-        if req.model is not None and req.model != self.model_name:
-            raise ModelNotFoundError(
-                f"model {req.model!r} is not served here; this server serves {self.model_name!r}")
+        self.check_model(req.model)
         if isinstance(req, ChatCompletionRequest):
             ids = self.prompts.encode_chat(req.message_dicts())
             default_max = self.args.default_max_tokens
@@ -110,7 +142,8 @@ class Ingress:
         sampling = req.sampling_params(default_max).with_seed()
         validate_prompt(ids, sampling, max_model_len=max_len, vocab_size=self.shape.vocab_size,
                         param=endpoint.prompt_param)
-        return PrefillRequest(new_id(endpoint.id_prefix), tuple(ids), sampling, n=req.n or 1)
+        return PrefillRequest(new_id(endpoint.id_prefix, client_id), tuple(ids), sampling,
+                              n=req.n or 1)
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -136,6 +169,7 @@ class Ingress:
             outcome = "ok"
         except Exception as exc:
             outcome = type(unwrap_error(exc)).__name__
+            logger.warning("request %s failed: %s", preq.request_id, outcome)
             raise
         finally:
             self.metrics.requests.inc(tags={"route": endpoint.value, "outcome": outcome})
@@ -156,10 +190,10 @@ class Ingress:
                             shared=None if ref is None else (ref, k))
                 for k in range(preq.n)]
 
-    async def complete(self, endpoint: Endpoint, req: GenerationRequest,
+    async def complete(self, endpoint: Endpoint, req: GenerationRequest, client_id: str,
                        trace: RequestTrace | None = None) -> dict[str, Any]:
         """The whole answer of a non-streamed request (``trace``: of its first answer)."""
-        preq = self.prepare(endpoint, req)
+        preq = self.prepare(endpoint, req, client_id)
         streams = await self.answers(endpoint, preq, trace)
 
         async def collect(stream: AsyncIterator[StreamDelta]
@@ -197,38 +231,97 @@ class Ingress:
         async for item in merge_streams(streams):
             yield item
 
-    def chunks(self, endpoint: Endpoint,
-               req: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
+    def chunks(self, endpoint: Endpoint, req: GenerationRequest,
+               client_id: str) -> AsyncIterator[dict[str, Any]]:
         """The chunks of a streamed answer."""
-        preq = self.prepare(endpoint, req)
+        preq = self.prepare(endpoint, req, client_id)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return stream_chunks(endpoint, preq.request_id, self.model_name, preq.num_tokens,
                              self.indexed_deltas(endpoint, preq), include_usage)
 
-    async def answer(self, endpoint: Endpoint, req: GenerationRequest):
+    async def answer(self, endpoint: Endpoint, req: GenerationRequest,
+                     http: Request) -> Response:
+        """The HTTP answer to a generation request (X-Request-Id is added by
+        ``openai_api.RequestIds``)."""
+        client_id = http.state.request_id
+        headers = self.ignored(req, client_id)
         try:
             if req.stream:
-                return await sse_response(self.chunks(endpoint, req))
-            return JSONResponse(await self.complete(endpoint, req))
+                response: Response = await sse_response(self.chunks(endpoint, req, client_id),
+                                                        client_id)
+            else:
+                response = JSONResponse(await self.complete(endpoint, req, client_id))
         except Exception as exc:
-            return error_response(exc)
+            response = error_response(exc, client_id)
+        response.headers.update(headers)
+        return response
 
     # ---- HTTP routes ---------------------------------------------------------------------
 
     @api.post("/v1/chat/completions", response_model=CompletionResponse,
               responses={**SSE_RESPONSE, **ERROR_RESPONSES})
-    async def http_chat(self, body: ChatCompletionRequest):
-        return await self.answer(Endpoint.CHAT, body)
+    async def http_chat(self, body: ChatCompletionRequest, request: Request):
+        return await self.answer(Endpoint.CHAT, body, request)
 
     @api.post("/v1/completions", response_model=CompletionResponse,
               responses={**SSE_RESPONSE, **ERROR_RESPONSES})
-    async def http_completions(self, body: CompletionRequest):
-        return await self.answer(Endpoint.COMPLETION, body)
+    async def http_completions(self, body: CompletionRequest, request: Request):
+        return await self.answer(Endpoint.COMPLETION, body, request)
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, max_model_len=self.shape.max_model_len)
 
     @api.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def http_models(self):
-        card = ModelCard(id=self.model_name, max_model_len=self.shape.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[self.model_card()])
+
+    @api.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
+    async def http_model(self, model_id: str):
+        """One model's card; 404 unless it is the served model."""
+        try:
+            self.check_model(model_id)
+        except ModelNotFoundError as exc:
+            return error_response(exc)
+        return self.model_card()
+
+    @api.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+    async def http_tokenize(self, body: TokenizeRequest, request: Request):
+        """vLLM's /tokenize: the token ids the generation routes would compute."""
+        headers = self.ignored(body, request.state.request_id)
+        try:
+            self.check_model(body.model)
+            if body.messages is not None:
+                ids = self.prompts.encode_chat([m.model_dump(exclude_none=True)
+                                                for m in body.messages],
+                                               body.add_generation_prompt)
+            else:
+                ids = self.prompts.encode_prompt(str(body.prompt))
+        except Exception as exc:
+            return error_response(exc, request.state.request_id)
+        out = TokenizeResponse(count=len(ids), max_model_len=self.shape.max_model_len,
+                               tokens=ids)
+        return JSONResponse(out.model_dump(), headers=headers)
+
+    @api.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+    async def http_detokenize(self, body: DetokenizeRequest, request: Request):
+        """vLLM's /detokenize: token ids back to text; 400 for an id outside the
+        vocabulary."""
+        headers = self.ignored(body, request.state.request_id)
+        try:
+            self.check_model(body.model)
+            bad = next((t for t in body.tokens if not 0 <= t < self.prompts.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"token id {bad} is outside the vocabulary [0, {self.prompts.vocab_size})",
+                    param="tokens")
+        except Exception as exc:
+            return error_response(exc, request.state.request_id)
+        text = self.tokenizer.decode(body.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump(), headers=headers)
+
+    @api.get("/version", response_model=VersionResponse, responses=ERROR_RESPONSES)
+    async def http_version(self):
+        return VersionResponse(version=_package_version())
 
     @api.get("/debug/requests", responses=ERROR_RESPONSES)
     async def http_recent_requests(self, limit: Annotated[int, Query(ge=0)] = 100):
@@ -251,20 +344,30 @@ class Ingress:
         handles."""
         return await self.path.readiness(timeout_s)
 
+    def handle_request(self, endpoint: Endpoint,
+                       body: Any) -> tuple[GenerationRequest, str]:
+        """A handle call's request and its id (Serve's id for the call); its unknown fields
+        are logged as over HTTP."""
+        req, client_id = self.parse(endpoint, body), client_request_id(None)
+        self.ignored(req, client_id)
+        return req, client_id
+
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """A chat completion from the same fields as the HTTP body (non-streaming)."""
-        return await self.complete(Endpoint.CHAT, self.parse(Endpoint.CHAT, body))
+        return await self.complete(Endpoint.CHAT, *self.handle_request(Endpoint.CHAT, body))
 
     async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.complete(Endpoint.COMPLETION, self.parse(Endpoint.COMPLETION, body))
+        return await self.complete(Endpoint.COMPLETION,
+                                   *self.handle_request(Endpoint.COMPLETION, body))
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Streaming chat: yields the same chunk objects as the SSE stream."""
-        async for c in self.chunks(Endpoint.CHAT, self.parse(Endpoint.CHAT, body)):
+        async for c in self.chunks(Endpoint.CHAT, *self.handle_request(Endpoint.CHAT, body)):
             yield c
 
     async def completions_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        async for c in self.chunks(Endpoint.COMPLETION, self.parse(Endpoint.COMPLETION, body)):
+        async for c in self.chunks(Endpoint.COMPLETION,
+                                   *self.handle_request(Endpoint.COMPLETION, body)):
             yield c
 
     def recent_requests(self, limit: int = 100) -> list[dict[str, Any]]:
@@ -275,5 +378,5 @@ class Ingress:
         """Run one request and report where its work and its KV object went (diagnostics)."""
         endpoint = Endpoint(kind)
         trace = RequestTrace()
-        response = await self.complete(endpoint, self.parse(endpoint, body), trace)
+        response = await self.complete(endpoint, *self.handle_request(endpoint, body), trace)
         return {"response": response, "ingress_node": self.node_id, **trace.as_dict()}

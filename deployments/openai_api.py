@@ -12,12 +12,16 @@ import asyncio
 import hmac
 import json
 import logging
+import re
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.errors import (
@@ -69,6 +73,11 @@ api.state.max_body_bytes = 1 << 20
 
 _OPEN_PATHS = frozenset({"/health"})
 
+REQUEST_ID_HEADER = "X-Request-Id"
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+MAX_REQUEST_ID = 128
+_VISIBLE = re.compile(r"[!-~]+")  # visible ASCII: no spaces or control characters
+
 # The error answers every route may give, for the OpenAPI schema.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": "OpenAI-shaped error"}
@@ -87,9 +96,9 @@ SSE_RESPONSE: dict[int | str, dict[str, Any]] = {200: {
 # ---- errors -------------------------------------------------------------------------------
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def error_response(exc: BaseException, request_id: str = "") -> JSONResponse:
     """Any exception as an OpenAI-shaped JSON error; engine errors keep their status code
-    (and ``Retry-After``), anything else is a logged 500."""
+    (and ``Retry-After``), anything else is a 500 logged with ``request_id``."""
     exc = unwrap_error(exc)
     if isinstance(exc, EngineError):
         headers = {}
@@ -98,25 +107,36 @@ def error_response(exc: BaseException) -> JSONResponse:
             headers["Retry-After"] = str(max(1, round(retry)))
         return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code),
                             status_code=exc.status_code, headers=headers)
-    logger.exception("internal error", exc_info=exc)
+    logger.error("request %s: internal error", request_id, exc_info=exc)
     return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
 
 
+_NAMED = re.compile(r"(\w+): (.+)", re.DOTALL)
+
+
 def validation_error(errors: list[Any]) -> InvalidRequestError:
-    """The first of pydantic's (or FastAPI's) validation errors as a 400 naming its field."""
+    """The first of pydantic's (or FastAPI's) validation errors as a 400 naming its field.
+
+    A check of several fields (a model validator) names the field it is about by starting
+    its message with ``"field: "``; that field becomes the error's ``param``."""
     first = dict(errors[0]) if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "function-after"]
-    if loc and loc[0] in ("body", "query"):
+    if loc and loc[0] in ("body", "query", "path"):
         loc = loc[1:]
     kind = first.get("type")
     if kind == "json_invalid":
         return InvalidRequestError("the request body is not valid JSON")
     if not loc and kind in ("missing", "model_attributes_type", "dict_type", "model_type"):
         return InvalidRequestError("the request body must be a JSON object")
-    field = ".".join(loc)
     msg = first.get("msg", "invalid value")
-    if kind == "extra_forbidden":
-        msg = f"unsupported field {field!r}"
+    if kind == "value_error":
+        msg = str(first.get("ctx", {}).get("error", msg))
+        named = _NAMED.fullmatch(msg)
+        if named:
+            if not loc or loc[-1] != named[1]:
+                loc.append(named[1])
+            msg = named[2]
+    field = ".".join(loc)
     return InvalidRequestError(f"{field}: {msg}" if field else msg, param=field or None)
 
 
@@ -183,7 +203,54 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
-# Starlette runs the middleware added last first: the API key is checked before the body.
+def serve_request_id() -> str:
+    """Serve's id for the current request ("" outside Serve): for HTTP, the client's
+    X-Request-Id as sent, or one Serve's proxy made up; the proxy returns it in its own
+    X-Request-ID response header. Read from Serve's request context (private, no public API)."""
+    ctx = serve.context._serve_request_context.get()
+    return ctx.request_id if ctx is not None else ""
+
+
+def client_request_id(given: str | None) -> str:
+    """The id a request is known by to its client and in logs: ``given`` (the client's
+    X-Request-Id) when it is 1 to 128 visible ASCII characters, else Serve's id for the
+    request if that is, else a new one. Only ever echoed and logged: the id that keys the
+    request inside the system adds a unique suffix (``app.protocol.new_id``)."""
+    for candidate in (given, serve_request_id()):
+        if candidate and len(candidate) <= MAX_REQUEST_ID and _VISIBLE.fullmatch(candidate):
+            return candidate
+    return uuid.uuid4().hex
+
+
+class RequestIds:
+    """ASGI middleware: each HTTP request's ``client_request_id`` goes in
+    ``scope["state"]["request_id"]`` for the routes, and in the response's ``X-Request-Id``.
+    Behind Serve's proxy, which returns Serve's id in that header itself, the header is added
+    only where the two differ (a client id that was refused), so no response carries one id
+    twice."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id")
+        rid = client_request_id(given.decode("latin-1") if given is not None else None)
+        scope.setdefault("state", {})["request_id"] = rid
+        echoed = rid == serve_request_id()
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and not echoed:
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+# Starlette runs the middleware added last first: the request gets its id, then the API key
+# is checked, then the body's size.
 api.add_middleware(BodyLimit)
 
 
@@ -196,6 +263,9 @@ async def require_api_key(request: Request, call_next):
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return error_response(AuthenticationError())
     return await call_next(request)
+
+
+api.add_middleware(RequestIds)
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -326,7 +396,8 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+async def sse_response(chunks: AsyncIterator[dict[str, Any]],
+                       request_id: str = "") -> StreamingResponse:
     """Frame ``chunks`` as Server-Sent Events ending in ``data: [DONE]``.
 
     The first chunk is awaited before answering, so a failure to start (queue full, a dead
@@ -344,7 +415,7 @@ async def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingRespon
             if isinstance(err, EngineError):
                 yield _sse(error_body(err.message, err.error_type, err.param, err.code))
             else:
-                logger.exception("stream failed")
+                logger.exception("request %s: stream failed", request_id)
                 yield _sse(error_body("internal server error", "server_error"))
         finally:
             await chunks.aclose()

@@ -322,3 +322,22 @@ async def test_min_tokens_holds_eos_off_in_prefill_and_decode(tiny_model):
         assert stopped == ref[:eos_at + 1]
         assert ref[eos_at] not in longer[:5] and len(longer) >= 5
         assert longer[:eos_at] == ref[:eos_at]
+def test_one_decode_loop_serves_several_event_loops(tiny_model):
+    """An engine driven from successive asyncio.run calls (scripts, tests): each run's loop
+    task waits on an event of its own loop, and both runs decode the same tokens."""
+    core = _core(tiny_model)
+    prefiller = core.make_prefiller()
+    loop = core.make_decode_loop(frozenset({EOS}))
+    req = PrefillRequest("r", tuple(_prompts(1)[0]), SamplingParams(max_tokens=6,
+                                                                      temperature=0.0))
+
+    def run_once(rid: str) -> list[int]:
+        [pkg] = prefiller.make_packages([PrefillRequest(rid, req.prompt_token_ids,
+                                                        req.sampling)])
+        return asyncio.run(_collect(loop, pkg))
+
+    first = run_once("a")
+    second = run_once("b")
+    assert first == second and len(first) == 6
+    # the second run's task ended waiting for work (cancelled with its loop), not failed
+    assert loop._task is not None and loop._task.cancelled()

@@ -1,10 +1,13 @@
 """Answers in OpenAI's shape: several choices (n), streamed chunks per choice, the merge of
 several answer streams, logprobs (chat and completions shapes), and the sampling fields'
-validation."""
+validation; the HTTP app (no Ray): field policy, request ids, and the routes tooling
+expects (/v1/models/{id}, /tokenize, /detokenize, /version)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
@@ -212,3 +215,211 @@ def test_sampling_fields_reach_the_sampling_params():
                                   {"messages": msgs, "top_logprobs": 2}).message
     assert _bad(ChatCompletionRequest, {"messages": msgs, "logprobs": True,
                                         "top_logprobs": 21}).param == "top_logprobs"
+# ---- the HTTP app, without Ray: the Ingress on a fake colocated server ----------------------
+
+
+@pytest.fixture(scope="module")
+def ingress():
+    """An Ingress (its real constructor) over a fake colocated server that streams
+    ``TOKENS``, without Ray: the node id and the metrics are stubbed, and FastAPI's class-based
+    routes find the instance through a stubbed replica context."""
+    import ray
+    from ray import serve
+
+    from deployments import ingress as ingress_module
+    from tests.unit.deployments.test_split_path import FakeCall, FakeHandle, token_stream
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node"))
+    mp.setattr(ingress_module, "IngressMetrics", lambda: _NoMetrics())
+    mp.delenv("SPLITSERVE_API_KEY", raising=False)
+    decode = FakeHandle(generate_local=lambda preq: FakeCall(stream=token_stream(preq)))
+    # the class as written, under the one that @serve.ingress makes (an async constructor)
+    instance = ingress_module.Ingress.func_or_class.__mro__[1](None, decode, {})
+    mp.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=instance))
+    yield instance
+    mp.undo()
+
+
+class _NoMetrics:
+    def __getattr__(self, name):
+        return SimpleNamespace(observe=lambda *a, **k: None, inc=lambda *a, **k: None,
+                               set=lambda *a, **k: None)
+
+
+@pytest.fixture
+def client(ingress):
+    from fastapi.testclient import TestClient
+
+    from deployments.openai_api import api
+
+    api.state.api_key = None
+    return TestClient(api)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_unknown_and_neutral_fields_are_accepted_and_unknown_ones_reported(client, caplog):
+    body = {"messages": [*HI, {"role": "assistant", "content": None, "refusal": None}],
+            "max_tokens": 3, "frobnicate": 1, "stream_options": {"include_usage": True, "x": 1},
+            "tools": [], "tool_choice": "auto", "response_format": {"type": "text"},
+            "store": False, "metadata": {"a": "b"}, "user": "u", "parallel_tool_calls": True,
+            "top_logprobs": None, "service_tier": "auto"}
+    with caplog.at_level(logging.WARNING, logger="deployments.ingress"):
+        r = client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "abc-1"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ignored-fields"] == "frobnicate,messages.refusal,stream_options.x"
+    warnings = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert warnings == ["request abc-1: ignored unknown fields: frobnicate, "
+                        "messages.refusal, stream_options.x"]
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and "x-ignored-fields" not in r.headers
+
+
+REFUSED = [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function"}], "tool_choice": "auto"}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"store": True}, "store"),
+    ({"best_of": 2}, "best_of"),
+    ({"logprobs": "many"}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]},
+     "messages.0.tool_calls"),
+    ({"temperature": -1}, "temperature"),
+    ({"metadata": "not a dict"}, "metadata"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), REFUSED)
+def test_values_that_would_change_the_output_get_a_400_naming_the_field(client, fields,
+                                                                        param):
+    r = client.post("/v1/chat/completions", json={"messages": HI, **fields})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert err["message"].startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"echo": True}, "echo"),
+                                               ({"suffix": "x"}, "suffix"),
+                                               ({"best_of": 3}, "best_of")])
+def test_completion_fields_that_cannot_be_honoured(client, fields, param):
+    r = client.post("/v1/completions", json={"prompt": "hi", **fields})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_request_id_is_echoed_or_generated_on_every_answer(client, ingress):
+    r = client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2},
+                    headers={"X-Request-Id": "client-7"})
+    assert r.headers["x-request-id"] == "client-7"
+    # the internal id (the response's id) carries the client's, plus a unique suffix
+    assert r.json()["id"].startswith("chatcmpl-client-7-")
+    with client.stream("POST", "/v1/completions", headers={"X-Request-Id": "client-8"},
+                       json={"prompt": "hi", "max_tokens": 2, "stream": True}) as s:
+        assert s.headers["x-request-id"] == "client-8"
+        assert '"id": "cmpl-client-8-' in s.read().decode()
+    r = client.post("/v1/chat/completions", json={"messages": []},
+                    headers={"X-Request-Id": "client-9"})
+    assert r.status_code == 400 and r.headers["x-request-id"] == "client-9"
+    for bad in ("x" * 129, "two words", "\u00e9t\u00e9"):
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                        headers={"X-Request-Id": bad.encode()})
+        generated = r.headers["x-request-id"]
+        assert generated != bad and len(generated) == 32 and generated.isalnum()
+    r = client.get("/v1/models")
+    assert len(r.headers["x-request-id"]) == 32
+
+
+def test_two_requests_with_one_client_id_get_distinct_internal_ids(client):
+    ids = {client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                       headers={"X-Request-Id": "same"}).json()["id"] for _ in range(2)}
+    assert len(ids) == 2 and all(i.startswith("cmpl-same-") for i in ids)
+
+
+def test_behind_serve_the_proxy_returns_the_id_and_the_app_adds_it_only_when_it_differs():
+    from ray.serve.context import _RequestContext, _serve_request_context
+
+    from deployments.openai_api import RequestIds
+
+    async def call(given: bytes | None, serve_id: str) -> tuple[str, list]:
+        seen = {}
+
+        async def app(scope, receive, send):
+            seen["id"] = scope["state"]["request_id"]
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        _serve_request_context.set(_RequestContext(request_id=serve_id))
+        headers = [] if given is None else [(b"x-request-id", given)]
+        await RequestIds(app)({"type": "http", "headers": headers}, None, send)
+        return seen["id"], sent[0]["headers"]
+
+    # Serve's proxy echoes its id (the client's, or one it made up): not added twice
+    assert asyncio.run(call(b"mine", "mine")) == ("mine", [])
+    assert asyncio.run(call(None, "serve-made")) == ("serve-made", [])
+    # a client id this app refuses: Serve echoes it as sent, the app adds its own
+    rid, headers = asyncio.run(call(b"x" * 200, "x" * 200))
+    assert len(rid) == 32 and headers == [(b"x-request-id", rid.encode())]
+
+
+def test_model_card_tokenize_detokenize_and_version(client, ingress):
+    name = ingress.model_name
+    card = client.get(f"/v1/models/{name}").json()
+    assert card["id"] == name and card["object"] == "model" and card["max_model_len"] > 0
+    r = client.get("/v1/models/gpt-9")
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["param"] == "model"
+
+    tok = client.post("/tokenize", json={"model": name, "prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == card["max_model_len"]
+    assert tok["tokens"] == ingress.prompts.encode_prompt("Hello world")
+    assert client.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {
+        "prompt": ingress.tokenizer.decode(tok["tokens"])}
+    chat = client.post("/tokenize", json={"messages": HI}).json()
+    assert chat["tokens"] == ingress.prompts.encode_chat(HI)
+    bare = client.post("/tokenize", json={"messages": HI, "add_generation_prompt": False})
+    assert bare.json()["count"] < chat["count"]
+
+    for body, param in (({"tokens": [1, -1]}, "tokens"), ({"tokens": [10**9]}, "tokens"),
+                        ({"tokens": ["a"]}, "tokens.0")):
+        r = client.post("/detokenize", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = client.post("/tokenize", json={"model": name})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = client.post("/tokenize", json={"model": "gpt-9", "prompt": "x"})
+    assert r.status_code == 404
+
+    from importlib.metadata import version
+    assert client.get("/version").json() == {"version": version("splitserve")}
+
+
+def test_new_routes_need_the_api_key_and_health_does_not(client):
+    from deployments.openai_api import api
+
+    api.state.api_key = "sekrit"
+    try:
+        for method, path, body in (("GET", "/version", None), ("GET", "/v1/models/x", None),
+                                   ("POST", "/tokenize", {"prompt": "x"}),
+                                   ("POST", "/detokenize", {"tokens": [1]})):
+            r = client.request(method, path, json=body)
+            assert r.status_code == 401 and r.headers["x-request-id"], path
+            r = client.request(method, path, json=body,
+                               headers={"Authorization": "Bearer sekrit"})
+            assert r.status_code != 401, path
+        assert client.get("/openapi.json").status_code == 401
+    finally:
+        api.state.api_key = None
