@@ -11,6 +11,7 @@ import importlib.metadata
 import logging
 import os
 from collections.abc import AsyncIterator
+from urllib.parse import quote
 from typing import Annotated, Any
 
 import ray
@@ -61,6 +62,8 @@ from deployments.split_path import SplitPath, choice_request, unwrap_error
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 
 logger = logging.getLogger(__name__)
+
+MAX_IGNORED_REPORTED = 32  # unknown field names listed in X-Ignored-Fields
 
 
 def _package_version() -> str:
@@ -113,11 +116,16 @@ class Ingress:
     def ignored(self, body: Any, client_id: str) -> dict[str, str]:
         """Log the unknown fields of a body (once per request) and return the response header
         that reports them."""
-        names = body.ignored_fields()
+        names = [quote(n, safe="._-~") for n in body.ignored_fields()]
         if not names:
             return {}
+        # the names are the client's: percent-encoded, as a header must be ASCII and a log
+        # line must stay one line; a header lists a bounded number of them
         logger.warning("request %s: ignored unknown fields: %s", client_id, ", ".join(names))
-        return {IGNORED_FIELDS_HEADER: ",".join(names)}
+        shown = names[:MAX_IGNORED_REPORTED]
+        if len(names) > len(shown):
+            shown.append(f"...{len(names) - len(shown)} more")
+        return {IGNORED_FIELDS_HEADER: ",".join(shown)}
 
     def prepare(self, endpoint: Endpoint, req: GenerationRequest,
                 client_id: str) -> PrefillRequest:

@@ -277,6 +277,24 @@ def test_unknown_and_neutral_fields_are_accepted_and_unknown_ones_reported(clien
     assert r.status_code == 200 and "x-ignored-fields" not in r.headers
 
 
+def test_unknown_field_names_are_reported_escaped_and_bounded(client, caplog):
+    """Names are the client's: any characters, any number (found by the schema fuzzer: a
+    non-Latin-1 name made the header unencodable and the answer a 500)."""
+    odd = {"\U0001a358x": 1, "a,b": 2, "line\nbreak": 3, "LPT1": 4}
+    for path in ("/v1/completions", "/tokenize"):
+        with caplog.at_level(logging.WARNING, logger="deployments.ingress"):
+            r = client.post(path, json={"prompt": "hi", **odd})
+        assert r.status_code == 200, r.text
+        header = r.headers["x-ignored-fields"]
+        assert header.isascii() and set(header.split(",")) == {
+            "%F0%9A%8D%98x", "a%2Cb", "line%0Abreak", "LPT1"}
+    assert not any("\n" in rec.getMessage() for rec in caplog.records)
+    many = {f"f{i:03d}": i for i in range(100)}
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **many})
+    names = r.headers["x-ignored-fields"].split(",")
+    assert len(names) == 33 and names[-1] == "...68 more"
+
+
 REFUSED = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
