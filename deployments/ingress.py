@@ -11,8 +11,8 @@ import importlib.metadata
 import logging
 import os
 from collections.abc import AsyncIterator
-from urllib.parse import quote
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import ray
 from fastapi import Query, Request, Response
