@@ -133,8 +133,7 @@ class PrefillQueue:
     def _track(self, tokens: int, requests: int) -> None:
         self.waiting_tokens += tokens
         self.waiting_requests += requests
-        self.metrics.waiting_tokens.set(self.waiting_tokens)
-        self.metrics.waiting_requests.set(self.waiting_requests)
+        self.metrics.record_waiting(self.waiting_tokens, self.waiting_requests)
 
     async def _run(self) -> None:
         while True:
@@ -175,7 +174,7 @@ class PrefillQueue:
             self.on_batch(len(finished), tokens, elapsed)
         self.metrics.batch_size.observe(len(rows))
         self.metrics.batch_tokens.observe(tokens)
-        self.metrics.compute_ms.observe(elapsed * 1000)
+        self.metrics.compute.observe(elapsed)
         for job, pkg in zip(rows, packages, strict=True):
             if pkg is not None:
                 self.metrics.kv_bytes.observe(pkg.kv_nbytes)
@@ -223,7 +222,7 @@ class DecodeReplica:
         self.loop = self.core.make_decode_loop(eos)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.replica_id = current_replica_id()
-        self.metrics = DecodeMetrics()
+        self.metrics = DecodeMetrics(self.args.model_name)
         self.started = 0
         self._stats_task: asyncio.Task | None = None
         self.unhealthy: str | None = None  # set when the health check finds the loop wedged
@@ -247,17 +246,27 @@ class DecodeReplica:
     async def _report_stats(self) -> None:
         reported_steps = self.loop.decoder.steps
         while True:
-            # the steps run since the last report (the loop keeps the last few step times)
-            new_steps = self.loop.decoder.steps - reported_steps
-            reported_steps += new_steps
-            recent = list(self.loop.step_times)
-            for seconds in recent[max(0, len(recent) - new_steps):]:
-                self.metrics.step_ms.observe(seconds * 1000)
-            st = self.loop.decoder.stats()
-            self.metrics.active.set(self.loop.num_active)
-            self.metrics.waiting.set(self.loop.num_waiting)
-            self.metrics.kv_tokens.set(st.kv_tokens_used)
+            reported_steps = self.record_metrics(reported_steps)
             await asyncio.sleep(1.0)
+
+    def record_metrics(self, reported_steps: int) -> int:
+        """Observe the steps run since ``reported_steps`` (the loop keeps the last few step
+        times) and set the gauges; returns the steps reported so far."""
+        new_steps = self.loop.decoder.steps - reported_steps
+        recent = list(self.loop.step_times)
+        for seconds in recent[max(0, len(recent) - new_steps):]:
+            self.metrics.step.observe(seconds)
+        st = self.loop.decoder.stats()
+        self.metrics.running.set(self.loop.num_active)
+        self.metrics.waiting.set(self.loop.num_waiting + self.prefills_waiting())
+        self.metrics.kv_tokens.set(st.kv_tokens_used)
+        self.metrics.kv_usage.set(st.kv_tokens_used / st.kv_tokens_budget
+                                  if st.kv_tokens_budget else 0.0)
+        return reported_steps + new_steps
+
+    def prefills_waiting(self) -> int:
+        """Prompts this replica still has to prefill before they join the batch."""
+        return 0
 
     def decode_stats(self) -> dict[str, Any]:
         st = self.loop.decoder.stats()
