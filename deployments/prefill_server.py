@@ -28,7 +28,8 @@ class PrefillServer:
         self.throughput = autoscaling.ThroughputWindow()
         self.latency = autoscaling.LatencyWindow(self.args.prefill.latency_window_s)
         self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
-                                      PrefillMetrics(self.args.model_name), on_batch=self.throughput.add)
+                                    PrefillMetrics(self.args.model_name),
+                                    on_batch=self.throughput.add)
         self.node_id = ray.get_runtime_context().get_node_id()
 
     async def make_kv_package(self, req: PrefillRequest) -> KVPackage:
