@@ -230,6 +230,12 @@ class AppArgs(BaseModel):
     decode_stall_timeout_s: float = Field(
         60.0, gt=0, description="A decode replica with work whose loop has not finished a "
         "step for this long fails its health check, so Serve replaces it.")
+    allow_pending_resources: bool = Field(
+        False, description="Deploy even when no node of the cluster offers a phase's "
+        "resource tag or accelerator type yet (an autoscaler will add such nodes); "
+        "otherwise the build fails at once naming what is missing. Also set by "
+        "SPLITSERVE_ALLOW_PENDING_RESOURCES=1, and implied where Ray's autoscaler has a node "
+        "type that offers it.")
     enable_fault_injection: bool = Field(
         False, description="Expose replica methods that stall or crash the engine, for fault "
         "tests only. Never enable in production.")
