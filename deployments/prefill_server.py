@@ -17,13 +17,19 @@ from app.messages import PrefillRequest
 from deployments import autoscaling
 from deployments.args import AppArgs
 from deployments.metrics import PrefillMetrics
-from deployments.replica import PrefillQueue, current_replica_id, inject_fault
+from deployments.replica import (
+    PrefillQueue,
+    current_replica_id,
+    deployed_autoscaling_config,
+    inject_fault,
+)
 
 
 @serve.deployment(name="PrefillServer")
 class PrefillServer:
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = AppArgs.model_validate(args)
+        self.args.check_scaling_policy("prefill", deployed_autoscaling_config())
         self.core = EngineCore(self.args.engine_config("prefill"))
         self.throughput = autoscaling.ThroughputWindow()
         self.latency = autoscaling.LatencyWindow(self.args.prefill.latency_window_s)

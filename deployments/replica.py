@@ -28,6 +28,16 @@ from deployments.metrics import DecodeMetrics, PrefillMetrics
 logger = logging.getLogger(__name__)
 
 
+def deployed_autoscaling_config() -> Any:
+    """This replica's deployment's ``autoscaling_config`` as Serve deployed it (after a
+    Serve config's overrides); None when it does not autoscale or outside a replica."""
+    try:
+        config = serve.get_replica_context()._deployment_config
+    except Exception:  # outside a Serve replica (the class used directly)
+        return None
+    return config.autoscaling_config
+
+
 def current_replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -214,6 +224,7 @@ class DecodeReplica:
 
     def __init__(self, args: dict[str, Any], phase: str) -> None:
         self.args = AppArgs.model_validate(args)
+        self.args.check_scaling_policy(phase, deployed_autoscaling_config())
         cfg: EngineConfig = self.args.engine_config(phase)
         self.core = EngineCore(cfg)
         eos = PromptBuilder(load_tokenizer(cfg)).eos_token_ids(
