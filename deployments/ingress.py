@@ -156,7 +156,8 @@ class Ingress:
         """Tokens that just reached the ingress: TTFT for the first, the inter-token gap
         (shared by the tokens of one delta) for the others."""
         m = self.metrics
-        m.generation_tokens.inc(n)
+        if n > 0:  # Ray's counters refuse 0
+            m.generation_tokens.inc(n)
         if previous is None:
             m.ttft.observe(trace.ttft_s)
             n -= 1
