@@ -52,6 +52,13 @@ def check_deployment_config(name: str, options: dict[str, Any]) -> dict[str, Any
     return options
 
 
+def policy_path(policy: Any) -> str:
+    """``module:name`` of an autoscaling policy given as an import path or the object."""
+    if isinstance(policy, str):
+        return policy
+    return f"{policy.__module__}:{policy.__qualname__}"
+
+
 class _Deployment(BaseModel):
     """A deployment's Serve options (``deployment_config``) over the project's defaults."""
 
@@ -234,6 +241,12 @@ class AppArgs(BaseModel):
     decode_stall_timeout_s: float = Field(
         60.0, gt=0, description="A decode replica with work whose loop has not finished a "
         "step for this long fails its health check, so Serve replaces it.")
+    allow_pending_resources: bool = Field(
+        False, description="Deploy even when no node of the cluster offers a phase's "
+        "resource tag or accelerator type yet (an autoscaler will add such nodes); "
+        "otherwise the build fails at once naming what is missing. Also set by "
+        "SPLITSERVE_ALLOW_PENDING_RESOURCES=1, and implied where Ray's autoscaler has a node "
+        "type that offers it.")
     enable_fault_injection: bool = Field(
         False, description="Expose replica methods that stall or crash the engine, for fault "
         "tests only. Never enable in production.")
@@ -297,15 +310,50 @@ class AppArgs(BaseModel):
             kv_tokens_per_replica=(sc.kv_tokens_per_replica
                                    or self.engine.max_kv_tokens * DEFAULT_KV_FRACTION))
 
+    def scaling_policy(self, phase: str) -> str | None:
+        """The import path of the policy the phase autoscales with: the one its
+        ``autoscaling_config`` names, else its phase policy; None: Serve's default."""
+        config = self.phase(phase).deployment_options().get("autoscaling_config") or {}
+        named = (config.get("policy") or {}).get("policy_function")
+        if named is not None:
+            return policy_path(named)
+        if phase == "colocated":
+            return None
+        policy = "PrefillPolicy" if phase == "prefill" else "DecodePolicy"
+        return f"deployments.autoscaling:{policy}"
+
+    def check_scaling_policy(self, phase: str, autoscaling_config: Any) -> None:
+        """Refuse a replica whose deployment autoscales (``autoscaling_config``: Serve's
+        ``AutoscalingConfig`` as deployed) with another policy than its phase's.
+
+        A Serve config's ``deployments:`` entry that sets ``autoscaling_config`` replaces the
+        app's whole dict (Serve's ``override_deployment_info`` updates options one level
+        deep), so the phase policy this app put there is gone and Serve's default, which
+        scales on request counts, would run without a word.
+        """
+        expected = self.scaling_policy(phase)
+        if autoscaling_config is None or expected is None:
+            return
+        actual = policy_path(autoscaling_config.policy.policy_function)
+        if actual == expected:
+            return
+        raise ValueError(
+            f"{phase} autoscales with {actual}, not its phase policy {expected}: a Serve "
+            f"config's deployments: entry that sets autoscaling_config replaces the app's "
+            f"whole autoscaling_config, policy included. Set it in the app's args instead "
+            f"({phase}.deployment_config.autoscaling_config, and {phase}.scaling for the "
+            f"policy's parameters), or name the policy in the override (policy: "
+            f"{{policy_function: {expected}, policy_kwargs: ...}}); to scale on request "
+            f"counts, name Serve's policy in the args' autoscaling_config.")
+
     def deployment_options(self, phase: str) -> dict[str, Any]:
         """Serve options of one phase's deployment: placement, scale and, when it autoscales,
         its phase policy (``deployments.autoscaling``) unless the config names its own."""
         opts = self.phase(phase).deployment_options()
         config = opts.get("autoscaling_config")
         if config is not None and "policy" not in config and phase != "colocated":
-            policy = "PrefillPolicy" if phase == "prefill" else "DecodePolicy"
             opts["autoscaling_config"] = {**config, "policy": {
-                "policy_function": f"deployments.autoscaling:{policy}",
+                "policy_function": self.scaling_policy(phase),
                 "policy_kwargs": dataclasses.asdict(self.scaling_params(phase))}}
         try:
             return check_deployment_config(phase, opts)

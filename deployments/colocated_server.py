@@ -28,8 +28,13 @@ from deployments.replica import DecodeReplica, PrefillQueue
 class ColocatedServer(DecodeReplica):
     def __init__(self, args: dict[str, Any]) -> None:
         super().__init__(args, "colocated")
+        # the decode side reports the waiting prompts with its own waiting sequences
         self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
-                                      PrefillMetrics(), eos_token_ids=self.eos_token_ids)
+                                    PrefillMetrics(self.args.model_name, count_waiting=False),
+                                     eos_token_ids=self.eos_token_ids)
+
+    def prefills_waiting(self) -> int:
+        return self.batcher.waiting_requests
 
     async def generate_local(self, req: PrefillRequest) -> AsyncIterator[StreamStart | TokenEvent]:
         """Prefill ``req`` here (batched with prompts that arrive together), then stream its

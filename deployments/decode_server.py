@@ -45,7 +45,8 @@ class DecodeServer(DecodeReplica):
         hop = fetched - package.created_at
         self.kv_bytes_received += package.kv_nbytes
         self.hop_s_total += hop
-        self.metrics.kv_hop_ms.observe(hop * 1000)
+        self.metrics.kv_hop.observe(hop)
+        self.metrics.kv_hop_bytes.inc(package.kv_nbytes)
         yield StreamStart(self.node_id, package.kv_nbytes, hop, fetched - t0, package.prefill_s,
                           replica_id=self.replica_id, prefill_done_at=package.created_at,
                           cached_tokens=package.cached_tokens)
@@ -73,6 +74,9 @@ class DecodeServer(DecodeReplica):
                           cached_tokens=package.cached_tokens)
         async for event in self._stream(package):
             yield event
+
+    def prefills_waiting(self) -> int:
+        return self.local_prefilling
 
     def _tpot_ms(self) -> float:
         """Mean of the last decode steps (a step includes any wait for a local prefill), or

@@ -23,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.chat import PromptBuilder
 from app.errors import InvalidRequestError, ModelNotFoundError, NotFoundError, QueueFullError
-from app.messages import PrefillRequest
+from app.messages import FinishReason, PrefillRequest
 from app.model_loader import load_tokenizer, read_model_shape
 from app.output import LogprobText, StreamDelta, text_deltas
 from app.protocol import (
@@ -90,7 +90,7 @@ class Ingress:
         self.shape = read_model_shape(self.args.engine)
         self.model_name = self.args.model_name
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.metrics = IngressMetrics()
+        self.metrics = IngressMetrics(self.model_name)
         self.in_flight = 0
         self.history = TraceHistory(self.args.ingress.trace_history)
         api.state.api_key = (self.args.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY")
@@ -130,8 +130,17 @@ class Ingress:
     def prepare(self, endpoint: Endpoint, req: GenerationRequest,
                 client_id: str) -> PrefillRequest:
         """Admit, tokenize and check a request against the model: every 4xx is raised here,
-        before any replica is involved. ``client_id``: the request's id to its client
-        (``client_request_id``), which its internal id carries."""
+        before any replica is involved, and counted by its type. ``client_id``: the
+        request's id to its client (``client_request_id``), which its internal id carries."""
+        try:
+            return self._prepare(endpoint, req, client_id)
+        except Exception as exc:
+            self.metrics.requests.inc(tags={"route": endpoint.value,
+                                            "outcome": type(exc).__name__})
+            raise
+
+    def _prepare(self, endpoint: Endpoint, req: GenerationRequest,
+                 client_id: str) -> PrefillRequest:
         if self.in_flight >= self.args.ingress.max_in_flight:
             raise QueueFullError(
                 f"the server is at capacity ({self.in_flight} requests in flight); retry later",
@@ -160,19 +169,20 @@ class Ingress:
                      shared: tuple[ray.ObjectRef, int] | None = None,
                      ) -> AsyncIterator[StreamDelta]:
         """The text of one answer as it is generated, with its accounting: in-flight count,
-        request outcome, TTFT/TPOT metrics and the trace kept for ``GET /debug/requests``.
+        outcome, latency and token metrics and the trace kept for ``GET /debug/requests``.
         ``shared``: the answer's first attempt reads a package made for several."""
         trace = trace or RequestTrace()
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
         outcome = "cancelled"  # the client left before the end (the generator was closed)
+        finish = None
         try:
             async for delta in text_deltas(self.path.resumable_stream(preq, trace, shared),
                                            self.tokenizer, preq.sampling):
-                first = trace.first_token is None
+                previous = trace.last_token
                 trace.token(len(delta.token_ids))
-                if first:
-                    self.metrics.ttft_ms.observe(trace.ttft_s * 1000)
+                self.record_tokens(trace, previous, len(delta.token_ids))
+                finish = delta.finish_reason or finish
                 yield delta
             outcome = "ok"
         except Exception as exc:
@@ -180,12 +190,42 @@ class Ingress:
             logger.warning("request %s failed: %s", preq.request_id, outcome)
             raise
         finally:
-            self.metrics.requests.inc(tags={"route": endpoint.value, "outcome": outcome})
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
             self.history.add(preq.request_id, preq.num_tokens, trace)
-            if trace.tpot_s is not None:
-                self.metrics.tpot_ms.observe(trace.tpot_s * 1000)
+            self.record_answer(endpoint, preq, trace, outcome, finish)
+
+    def record_tokens(self, trace: RequestTrace, previous: float | None, n: int) -> None:
+        """Tokens that just reached the ingress: TTFT for the first, the inter-token gap
+        (shared by the tokens of one delta) for the others."""
+        m = self.metrics
+        if n > 0:  # Ray's counters refuse 0
+            m.generation_tokens.inc(n)
+        if previous is None:
+            m.ttft.observe(trace.ttft_s)
+            n -= 1
+        if n > 0 and trace.last_token is not None:
+            gap = (trace.last_token - (previous or trace.first_token)) / n
+            for _ in range(n):
+                m.itl.observe(gap)
+
+    def record_answer(self, endpoint: Endpoint, preq: PrefillRequest, trace: RequestTrace,
+                      outcome: str, finish: FinishReason | None) -> None:
+        """One answer ended: its outcome, and for one that ended normally (or whose client
+        left) vLLM's per-request series."""
+        m = self.metrics
+        m.requests.inc(tags={"route": endpoint.value, "outcome": outcome})
+        if outcome not in ("ok", "cancelled"):
+            return
+        reason = "abort" if outcome == "cancelled" or finish is None else finish.value
+        m.success.inc(tags={"finished_reason": reason})
+        m.prompt_tokens.inc(preq.num_tokens)
+        m.request_prompt_tokens.observe(preq.num_tokens)
+        m.request_generation_tokens.observe(trace.output_tokens)
+        if trace.last_token is not None:
+            m.e2e.observe(trace.last_token - trace.received)
+        if trace.tpot_s is not None:
+            m.tpot.observe(trace.tpot_s)
 
     async def answers(self, endpoint: Endpoint, preq: PrefillRequest,
                       trace: RequestTrace | None = None) -> list[AsyncIterator[StreamDelta]]:

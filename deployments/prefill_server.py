@@ -20,6 +20,7 @@ from deployments.metrics import PrefillMetrics
 from deployments.replica import (
     PrefillQueue,
     current_replica_id,
+    deployed_autoscaling_config,
     inject_fault,
     model_eos_token_ids,
 )
@@ -29,12 +30,14 @@ from deployments.replica import (
 class PrefillServer:
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = AppArgs.model_validate(args)
+        self.args.check_scaling_policy("prefill", deployed_autoscaling_config())
         self.core = EngineCore(self.args.engine_config("prefill"))
         self.throughput = autoscaling.ThroughputWindow()
         self.latency = autoscaling.LatencyWindow(self.args.prefill.latency_window_s)
         self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
-                                      PrefillMetrics(), on_batch=self.throughput.add,
-                                      eos_token_ids=model_eos_token_ids(self.core))
+                                     PrefillMetrics(self.args.model_name),
+                                     on_batch=self.throughput.add,
+                                     eos_token_ids=model_eos_token_ids(self.core))
         self.node_id = ray.get_runtime_context().get_node_id()
 
     async def make_kv_package(self, req: PrefillRequest) -> KVPackage:

@@ -35,6 +35,16 @@ def model_eos_token_ids(core: EngineCore) -> frozenset[int]:
         getattr(core.model, "generation_config", None))
 
 
+def deployed_autoscaling_config() -> Any:
+    """This replica's deployment's ``autoscaling_config`` as Serve deployed it (after a
+    Serve config's overrides); None when it does not autoscale or outside a replica."""
+    try:
+        config = serve.get_replica_context()._deployment_config
+    except Exception:  # outside a Serve replica (the class used directly)
+        return None
+    return config.autoscaling_config
+
+
 def current_replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -141,8 +151,7 @@ class PrefillQueue:
     def _track(self, tokens: int, requests: int) -> None:
         self.waiting_tokens += tokens
         self.waiting_requests += requests
-        self.metrics.waiting_tokens.set(self.waiting_tokens)
-        self.metrics.waiting_requests.set(self.waiting_requests)
+        self.metrics.record_waiting(self.waiting_tokens, self.waiting_requests)
 
     async def _run(self) -> None:
         while True:
@@ -183,7 +192,7 @@ class PrefillQueue:
             self.on_batch(len(finished), tokens, elapsed)
         self.metrics.batch_size.observe(len(rows))
         self.metrics.batch_tokens.observe(tokens)
-        self.metrics.compute_ms.observe(elapsed * 1000)
+        self.metrics.compute.observe(elapsed)
         for job, pkg in zip(rows, packages, strict=True):
             if pkg is not None:
                 self.metrics.kv_bytes.observe(pkg.kv_nbytes)
@@ -223,13 +232,14 @@ class DecodeReplica:
 
     def __init__(self, args: dict[str, Any], phase: str) -> None:
         self.args = AppArgs.model_validate(args)
+        self.args.check_scaling_policy(phase, deployed_autoscaling_config())
         cfg: EngineConfig = self.args.engine_config(phase)
         self.core = EngineCore(cfg)
         self.eos_token_ids = model_eos_token_ids(self.core)
         self.loop = self.core.make_decode_loop(self.eos_token_ids)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.replica_id = current_replica_id()
-        self.metrics = DecodeMetrics()
+        self.metrics = DecodeMetrics(self.args.model_name)
         self.started = 0
         self._stats_task: asyncio.Task | None = None
         self.unhealthy: str | None = None  # set when the health check finds the loop wedged
@@ -253,17 +263,27 @@ class DecodeReplica:
     async def _report_stats(self) -> None:
         reported_steps = self.loop.decoder.steps
         while True:
-            # the steps run since the last report (the loop keeps the last few step times)
-            new_steps = self.loop.decoder.steps - reported_steps
-            reported_steps += new_steps
-            recent = list(self.loop.step_times)
-            for seconds in recent[max(0, len(recent) - new_steps):]:
-                self.metrics.step_ms.observe(seconds * 1000)
-            st = self.loop.decoder.stats()
-            self.metrics.active.set(self.loop.num_active)
-            self.metrics.waiting.set(self.loop.num_waiting)
-            self.metrics.kv_tokens.set(st.kv_tokens_used)
+            reported_steps = self.record_metrics(reported_steps)
             await asyncio.sleep(1.0)
+
+    def record_metrics(self, reported_steps: int) -> int:
+        """Observe the steps run since ``reported_steps`` (the loop keeps the last few step
+        times) and set the gauges; returns the steps reported so far."""
+        new_steps = self.loop.decoder.steps - reported_steps
+        recent = list(self.loop.step_times)
+        for seconds in recent[max(0, len(recent) - new_steps):]:
+            self.metrics.step.observe(seconds)
+        st = self.loop.decoder.stats()
+        self.metrics.running.set(self.loop.num_active)
+        self.metrics.waiting.set(self.loop.num_waiting + self.prefills_waiting())
+        self.metrics.kv_tokens.set(st.kv_tokens_used)
+        self.metrics.kv_usage.set(st.kv_tokens_used / st.kv_tokens_budget
+                                  if st.kv_tokens_budget else 0.0)
+        return reported_steps + new_steps
+
+    def prefills_waiting(self) -> int:
+        """Prompts this replica still has to prefill before they join the batch."""
+        return 0
 
     def decode_stats(self) -> dict[str, Any]:
         st = self.loop.decoder.stats()

@@ -2,9 +2,12 @@
 
 Starts a local Ray head offering both phase tags (unless a cluster is already reachable),
 runs ``serve run`` on the config, waits until the app is ready, prints how to call it, and on
-Ctrl-C stops what it started.
+Ctrl-C stops what it started. The head keeps Ray's dashboard (``serve status``, ``serve
+config`` and ``serve deploy`` talk to it) on 127.0.0.1 unless told otherwise, and exports
+metrics for Prometheus on a fixed port.
 
     python -m deployments.run_local [--config serve_configs/local.yaml]
+        [--dashboard-host 127.0.0.1] [--dashboard-port 8265] [--metrics-export-port 8080]
 """
 
 from __future__ import annotations
@@ -37,6 +40,19 @@ def _cluster_reachable() -> bool:
         return True
     result = subprocess.run([_bin("ray"), "status"], capture_output=True, text=True)
     return result.returncode == 0
+
+
+def _dashboard_flags(host: str, port: int) -> list[str]:
+    """Ray's dashboard where its dependencies (ray[default], which ray[serve] includes) are
+    installed; without them ``ray start --include-dashboard=true`` fails, so say what is lost."""
+    import ray._private.utils
+
+    error = ray._private.utils.get_dashboard_dependency_error()
+    if error is not None:
+        print(f"Ray's dashboard needs ray[default] ({error}); starting without it: serve "
+              "status / config / deploy will not work", file=sys.stderr, flush=True)
+        return ["--include-dashboard=false"]
+    return ["--include-dashboard=true", f"--dashboard-host={host}", f"--dashboard-port={port}"]
 
 
 def _phase_tags(config: dict) -> dict[str, float]:
@@ -86,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default=str(ROOT / "serve_configs" / "local.yaml"))
     parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--dashboard-host", default=os.environ.get(
+        "SPLITSERVE_DASHBOARD_HOST", "127.0.0.1"), help="where the head's Ray dashboard "
+        "listens (0.0.0.0 exposes a port that runs code for anyone who reaches it)")
+    parser.add_argument("--dashboard-port", type=int, default=8265)
+    parser.add_argument("--metrics-export-port", type=int, default=8080,
+                        help="the head's Prometheus endpoint (http://HOST:PORT/metrics)")
     args = parser.parse_args(argv)
     config = yaml.safe_load(Path(args.config).read_text())
     http = config.get("http_options") or {}
@@ -100,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         cpus = str(max(4, os.cpu_count() or 1))
         print(f"starting a local Ray head with resources {tags}", flush=True)
         subprocess.run([_bin("ray"), "start", "--head", f"--resources={tags}",
-                        f"--num-cpus={cpus}", "--include-dashboard=false",
+                        f"--num-cpus={cpus}", f"--metrics-export-port={args.metrics_export_port}",
+                        *_dashboard_flags(args.dashboard_host, args.dashboard_port),
                         "--disable-usage-stats"], check=True)
         started_ray = True
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -108,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if _wait_ready(url, serve_proc, args.ready_timeout):
             print(_banner(url, model), flush=True)
+            if started_ray:
+                print(f"Ray dashboard: http://{args.dashboard_host}:{args.dashboard_port} "
+                      f"(serve status); metrics: http://127.0.0.1:{args.metrics_export_port}"
+                      "/metrics", flush=True)
         else:
             print("the app did not become ready; see the log above", file=sys.stderr)
         return serve_proc.wait()

@@ -1,7 +1,9 @@
 """The test topology (test infrastructure, shared by the integration tests and the benchmarks
 that need Ray): a head for the ingress, a node that offers only the prefill tag and a node
 that offers only the decode tag, each with its own raylet and object store, all on this
-machine; Serve's HTTP proxy on 127.0.0.1 on a free port."""
+machine; Serve's HTTP proxy on 127.0.0.1 on a free port; each node's Prometheus endpoint
+(Ray's metrics export port) on a free port, and the head's dashboard (what ``serve status``
+asks) where Ray starts it."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ class Topology:
     head_id: str
     prefill_id: str
     decode_id: str
+    metrics_urls: tuple[str, ...] = ()  # http://NODE_IP:PORT/metrics: head, prefill, decode
+    dashboard_url: str | None = None  # http://HOST:PORT, None when Ray started none
 
 
 def free_port() -> int:
@@ -58,20 +62,28 @@ def split_topology(prefill_slots: float = 2, decode_slots: float = 2) -> Iterato
 
     with open(LOCK_PATH, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        ports = [free_port() for _ in range(3)]
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 2, "resources": {"ingress_node": 1},
-            "object_store_memory": OBJECT_STORE_BYTES})
+            "object_store_memory": OBJECT_STORE_BYTES, "metrics_export_port": ports[0]})
         prefill = cluster.add_node(num_cpus=1, resources={"prefill_accel": prefill_slots},
-                                   object_store_memory=OBJECT_STORE_BYTES)
+                                   object_store_memory=OBJECT_STORE_BYTES,
+                                   metrics_export_port=ports[1])
         decode = cluster.add_node(num_cpus=1, resources={"decode_accel": decode_slots},
-                                  object_store_memory=OBJECT_STORE_BYTES)
+                                  object_store_memory=OBJECT_STORE_BYTES,
+                                  metrics_export_port=ports[2])
         cluster.wait_for_nodes()
+        webui = cluster.webui_url
         ray.init(address=cluster.address, include_dashboard=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         try:
             yield Topology(f"http://127.0.0.1:{port}", cluster.head_node.node_id,
-                           prefill.node_id, decode.node_id)
+                           prefill.node_id, decode.node_id,
+                           tuple(f"http://{node.node_ip_address}:{p}/metrics"
+                                 for node, p in zip((cluster.head_node, prefill, decode), ports,
+                                                    strict=True)),
+                           f"http://{webui}" if webui else None)
         finally:
             serve.shutdown()
             ray.shutdown()

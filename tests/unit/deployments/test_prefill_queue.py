@@ -18,7 +18,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
 
 def _queue(model, **cfg) -> PrefillQueue:
-    return PrefillQueue(EngineCore(EngineConfig(**cfg), model=model), 0.0, PrefillMetrics())
+    return PrefillQueue(EngineCore(EngineConfig(**cfg), model=model), 0.0, PrefillMetrics("tiny"))
 
 
 def _req(rid: str, n: int) -> PrefillRequest:
