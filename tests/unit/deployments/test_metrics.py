@@ -149,7 +149,7 @@ async def test_ingress_counts_failures_and_refusals_by_type(records, smollm_toke
 
     with pytest.raises(ModelNotFoundError):
         ing.prepare(Endpoint.CHAT, ChatCompletionRequest(
-            model="other", messages=[{"role": "user", "content": "hi"}]))
+            model="other", messages=[{"role": "user", "content": "hi"}]), "client-1")
     assert _values("splitserve_requests_total", route="chat",
                    outcome="ModelNotFoundError") == [1]
 
