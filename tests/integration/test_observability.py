@@ -79,7 +79,9 @@ def test_metrics_endpoint_exports_every_documented_series(split_app):
         samples = _scrape(split_app.metrics_urls)
         missing = _missing(samples)
         done = (not missing and (_total(samples, "ray_vllm_request_success_total",
-                                        model_name=MODEL) or 0) >= n)
+                                        model_name=MODEL) or 0) >= n
+                and (_total(samples, "ray_splitserve_requests_total",
+                            outcome="ModelNotFoundError") or 0) >= 1)
         if done or time.monotonic() > deadline:
             break
         time.sleep(2)

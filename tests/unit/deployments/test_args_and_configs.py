@@ -45,7 +45,10 @@ def test_config_files_exist():
 
 
 @pytest.mark.parametrize("path", _serve_configs(), ids=lambda p: p.name)
-def test_serve_config_validates_against_ray_schema(path):
+def test_serve_config_validates_against_ray_schema(path, monkeypatch):
+    # the configs, not this machine's cluster: no placement check against a Ray that an
+    # earlier test of the session may have left connected (it has no GPU nodes)
+    monkeypatch.setattr("deployments.builder.ray.is_initialized", lambda: False)
     config = yaml.safe_load(path.read_text())
     schema = ServeDeploySchema.model_validate(config)
     for app in schema.applications:
