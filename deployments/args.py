@@ -184,7 +184,9 @@ class IngressArgs(_Deployment):
     }
 
     resource_tag: str | None = Field(
-        None, description="Custom resource the ingress asks for (pins it, e.g. to the head).")
+        None, description="Custom resource the ingress asks for: it runs only on nodes that "
+        "offer it (the cluster manifests: a CPU worker group, never the head, so that losing "
+        "the head loses no ingress replica).")
     max_in_flight: int = Field(
         512, ge=1, description="Requests the ingress serves at once; past it, new requests "
         "get 429 with Retry-After at once.")

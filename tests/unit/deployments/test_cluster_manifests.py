@@ -2,7 +2,10 @@
 
 Both parse; the Serve config inside validates against Ray's schema and builds; every resource
 a deployment's replica asks for (its phase tag, GPUs, CPUs) is offered together by some node
-group, with enough nodes for the deployment's most replicas; the images hold the code.
+group, with enough nodes for the deployment's most replicas; the images hold the code. And
+no single machine takes the service down (issue 16): the head runs no replica, the GCS
+survives the head (KubeRay: external Redis, password from a Secret), every node with a
+replica runs a proxy, and the ingress runs at least two replicas on different nodes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from ray.serve import Application
+from ray.serve.config import ProxyLocation
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.args import AppArgs
@@ -36,6 +40,7 @@ class NodeGroup:
     name: str
     max_nodes: int
     offers: dict[str, float]  # Ray resources of one node: CPU, GPU, custom tags
+    min_nodes: int = 0
 
 
 def _kuberay() -> dict[str, Any]:
@@ -67,7 +72,8 @@ def _ray_start_resources(params: dict[str, str]) -> dict[str, float]:
     return {k: float(v) for k, v in json.loads(text).items()}
 
 
-def _kuberay_group(name: str, max_nodes: int, spec: dict[str, Any]) -> NodeGroup:
+def _kuberay_group(name: str, max_nodes: int, spec: dict[str, Any],
+                   min_nodes: int = 0) -> NodeGroup:
     params = spec["rayStartParams"]
     [container] = spec["template"]["spec"]["containers"]
     limits = container["resources"]["limits"]
@@ -76,22 +82,23 @@ def _kuberay_group(name: str, max_nodes: int, spec: dict[str, Any]) -> NodeGroup
         "GPU": _quantity(params.get("num-gpus", limits.get("nvidia.com/gpu", 0))),
         **_ray_start_resources(params),
     }
-    return NodeGroup(name, max_nodes, offers)
+    return NodeGroup(name, max_nodes, offers, min_nodes)
 
 
 def _kuberay_groups() -> tuple[NodeGroup, list[NodeGroup]]:
     cluster = _kuberay()["spec"]["rayClusterConfig"]
-    head = _kuberay_group("head", 1, cluster["headGroupSpec"])
-    workers = [_kuberay_group(g["groupName"], g["maxReplicas"], g)
+    head = _kuberay_group("head", 1, cluster["headGroupSpec"], 1)
+    workers = [_kuberay_group(g["groupName"], g["maxReplicas"], g, g["minReplicas"])
                for g in cluster["workerGroupSpecs"]]
     return head, workers
 
 
 def _anyscale_groups() -> tuple[NodeGroup, list[NodeGroup]]:
     compute = _anyscale()["compute_config"]
-    head = NodeGroup("head", 1, {k: float(v) for k, v in compute["head_node"]["resources"].items()})
-    workers = [NodeGroup(g["name"], g["max_nodes"], {k: float(v) for k, v in
-                                                     g["resources"].items()})
+    head = NodeGroup("head", 1, {k: float(v) for k, v in
+                                 compute["head_node"]["resources"].items()}, 1)
+    workers = [NodeGroup(g["name"], g["max_nodes"],
+                         {k: float(v) for k, v in g["resources"].items()}, g["min_nodes"])
                for g in compute["worker_nodes"]]
     return head, workers
 
@@ -103,27 +110,46 @@ def _replica_needs(actor_options: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in needs.items() if v > 0}
 
 
-def _replicas_per_node(needs: dict[str, float], offers: dict[str, float]) -> int:
-    return min(math.floor(offers.get(name, 0.0) / amount + 1e-9)
-               for name, amount in needs.items())
+def _replicas_per_node(needs: dict[str, float], offers: dict[str, float],
+                       per_node: int | None = None) -> int:
+    """Replicas one node holds; ``per_node``: the deployment's max_replicas_per_node."""
+    fit = min(math.floor(offers.get(name, 0.0) / amount + 1e-9)
+              for name, amount in needs.items())
+    return fit if per_node is None else min(fit, per_node)
 
 
-def _capacity(needs: dict[str, float], groups: list[NodeGroup]) -> int:
-    """The most replicas with these needs that the groups hold at their largest."""
-    return sum(g.max_nodes * _replicas_per_node(needs, g.offers) for g in groups)
+def _capacity(needs: dict[str, float], groups: list[NodeGroup], per_node: int | None = None,
+              nodes: str = "max_nodes") -> int:
+    """The most replicas with these needs that the groups hold at their largest (or, with
+    nodes="min_nodes", at their smallest: without waiting for a new node)."""
+    return sum(getattr(g, nodes) * _replicas_per_node(needs, g.offers, per_node)
+               for g in groups)
 
 
-def _deployments(args: AppArgs) -> dict[str, tuple[dict[str, float], int]]:
-    """Per deployment: one replica's resource needs and its most replicas."""
+@dataclass(frozen=True)
+class Deployment:
+    needs: dict[str, float]  # one replica's resources
+    most: int  # its most replicas
+    per_node: int | None  # max_replicas_per_node
+
+
+def _deployments(args: AppArgs) -> dict[str, Deployment]:
     out = {}
     for phase in ("prefill", "decode"):
         opts = args.deployment_options(phase)
         most = (opts["autoscaling_config"]["max_replicas"] if "autoscaling_config" in opts
                 else opts["num_replicas"])
-        out[phase] = (_replica_needs(opts["ray_actor_options"]), most)
+        out[phase] = Deployment(_replica_needs(opts["ray_actor_options"]), most,
+                                opts.get("max_replicas_per_node"))
     ingress = args.ingress.deployment_options()
-    out["ingress"] = (_replica_needs(ingress["ray_actor_options"]), ingress["num_replicas"])
+    out["ingress"] = Deployment(_replica_needs(ingress["ray_actor_options"]),
+                                ingress["num_replicas"], ingress.get("max_replicas_per_node"))
     return out
+
+
+def _manifest_deployments(manifest: str) -> dict[str, Deployment]:
+    [app] = MANIFESTS[manifest][0]()
+    return _deployments(AppArgs.model_validate(app["args"]))
 
 
 MANIFESTS = {
@@ -171,20 +197,104 @@ def test_both_manifests_run_the_same_app():
 
 @pytest.mark.parametrize("manifest", sorted(MANIFESTS))
 def test_every_deployment_fits_its_node_groups_at_max_replicas(manifest):
-    [app] = MANIFESTS[manifest][0]()
+    _, workers = MANIFESTS[manifest][1]()
+    for name, d in _manifest_deployments(manifest).items():
+        assert any(k not in ("CPU", "GPU") for k in d.needs), f"{name} asks for no resource tag"
+        capacity = _capacity(d.needs, workers, d.per_node)
+        assert capacity >= d.most, (
+            f"{manifest}: {name} may scale to {d.most} replicas of {d.needs}, node groups "
+            f"hold {capacity}")
+
+
+@pytest.mark.parametrize("manifest", sorted(MANIFESTS))
+def test_head_holds_no_replica(manifest):
+    """Losing the head loses no replica: it offers no CPU, GPU or tag a replica asks for."""
+    head, _ = MANIFESTS[manifest][1]()
+    assert head.offers.get("CPU") == 0 and head.offers.get("GPU", 0) == 0
+    assert set(head.offers) <= {"CPU", "GPU"}, f"{manifest}: head offers {head.offers}"
+    for name, d in _manifest_deployments(manifest).items():
+        assert _replicas_per_node(d.needs, head.offers) == 0, f"{manifest}: {name} fits the head"
+
+
+@pytest.mark.parametrize("manifest", sorted(MANIFESTS))
+def test_ingress_runs_spread_on_workers(manifest):
+    """Two or more ingress replicas, at most one per node, all running from the start on the
+    smallest cluster (min nodes), on worker groups only."""
     head, workers = MANIFESTS[manifest][1]()
-    deployments = _deployments(AppArgs.model_validate(app["args"]))
-    for name, (needs, most) in deployments.items():
-        assert any(k not in ("CPU", "GPU") for k in needs), f"{name} asks for no resource tag"
-        groups = [head] if name == "ingress" else workers
-        capacity = _capacity(needs, groups)
-        assert capacity >= most, (
-            f"{manifest}: {name} may scale to {most} replicas of {needs}, node groups hold "
-            f"{capacity}")
-    # the phases cannot land on the head, and the head has no accelerator
-    assert head.offers.get("GPU", 0) == 0
-    for phase in ("prefill", "decode"):
-        assert _replicas_per_node(deployments[phase][0], head.offers) == 0
+    ingress = _manifest_deployments(manifest)["ingress"]
+    assert ingress.most >= 2 and ingress.per_node == 1
+    hosts = [g for g in workers if _replicas_per_node(ingress.needs, g.offers)]
+    assert hosts, f"{manifest}: no worker group offers {ingress.needs}"
+    assert _capacity(ingress.needs, hosts, 1, nodes="min_nodes") >= ingress.most
+    assert _replicas_per_node(ingress.needs, head.offers) == 0
+
+
+def test_kuberay_ingress_pods_on_different_machines():
+    """Ray's one-per-node is one per pod; Kubernetes must keep the pods on different machines."""
+    cluster = _kuberay()["spec"]["rayClusterConfig"]
+    ingress = _manifest_deployments("kuberay")["ingress"]
+    _, workers = _kuberay_groups()
+    hosting = [spec for spec, g in zip(cluster["workerGroupSpecs"], workers, strict=True)
+               if _replicas_per_node(ingress.needs, g.offers)]
+    assert hosting
+    for spec in hosting:
+        terms = (spec["template"]["spec"]["affinity"]["podAntiAffinity"]
+                 ["requiredDuringSchedulingIgnoredDuringExecution"])
+        assert {"labelSelector": {"matchLabels": {"ray.io/group": spec["groupName"]}},
+                "topologyKey": "kubernetes.io/hostname"} in terms
+
+
+def _all_keys_and_values(node: Any) -> list[Any]:
+    if isinstance(node, dict):
+        return [x for k, v in node.items() for x in [k, *_all_keys_and_values(v)]]
+    if isinstance(node, list):
+        return [x for v in node for x in _all_keys_and_values(v)]
+    return [node]
+
+
+def test_kuberay_gcs_survives_the_head():
+    """GCS fault tolerance through KubeRay >= 1.3's gcsFaultToleranceOptions: a Redis
+    address and the password from a Secret, never written in the manifest."""
+    service = _kuberay()
+    ft = service["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    host, _, port = ft["redisAddress"].rpartition(":")
+    assert host and port.isdigit()
+    ref = ft["redisPassword"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] and ref["key"]
+    assert set(ft["redisPassword"]) == {"valueFrom"}  # no literal `value`
+    # not also the pre-1.3 way (KubeRay refuses a password set in both places)
+    assert "ray.io/ft-enabled" not in service["metadata"].get("annotations", {})
+    flat = [str(x).lower() for x in _all_keys_and_values(service)]
+    assert not any("redis_address" in x or "redis-password" in x for x in flat)
+    # the Secret holding it is created beside the RayService, not in this file
+    assert len(list(yaml.safe_load_all((CONFIGS / "kuberay-rayservice.yaml").read_text()))) == 1
+
+
+@pytest.mark.parametrize("manifest", sorted(MANIFESTS))
+def test_clients_enter_at_proxies_on_every_node(manifest):
+    """Serve runs a proxy on every node with a replica; KubeRay's Service leaves the head's
+    out, so no client connection dies with the head."""
+    if manifest == "kuberay":
+        spec = _kuberay()["spec"]
+        config = ServeDeploySchema.model_validate(_kuberay_serve_config())
+        assert config.proxy_location == ProxyLocation.EveryNode
+        assert spec["excludeHeadPodFromServeSvc"] is True
+        # ignored since KubeRay 1.1 (readiness probes on the proxies replaced them)
+        assert not {"serviceUnhealthySecondThreshold",
+                    "deploymentUnhealthySecondThreshold"} & set(spec)
+    else:
+        # an Anyscale service config has no proxy setting: Serve's default applies
+        assert "proxy_location" not in _anyscale()
+        assert ServeDeploySchema.model_fields["proxy_location"].default == \
+            ProxyLocation.EveryNode
+
+
+def test_anyscale_asks_for_head_node_fault_tolerance():
+    storage = _anyscale()["ray_gcs_external_storage_config"]
+    assert storage["enabled"] is True
+    # the cloud's store by default; never credentials in the file
+    assert set(storage) <= {"enabled", "address", "certificate_path"}
+    assert "@" not in storage.get("address", "")
 
 
 def test_capacity_check_catches_a_short_group():
@@ -204,6 +314,8 @@ def test_kuberay_phases_run_on_different_gpu_kinds_with_shared_memory():
     _, workers = _kuberay_groups()
     kinds = {}
     for group, parsed in zip(cluster["workerGroupSpecs"], workers, strict=True):
+        if not parsed.offers["GPU"]:
+            continue  # the ingress group
         pod = group["template"]["spec"]
         tags = {k for k in parsed.offers if k not in ("CPU", "GPU")}
         [tag] = tags  # each group offers one phase
