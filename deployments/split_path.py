@@ -167,6 +167,8 @@ class SplitPath:
             async for item in stream:
                 if isinstance(item, StreamStart):
                     trace.stream_start = item
+                    if trace.cached_tokens is None:
+                        trace.cached_tokens = item.cached_tokens
                     trace.attempts += 1
                     if trace.kv_locations is None and ref is not None:
                         trace.kv_locations, trace.kv_object_size = self.locate(ref)

@@ -361,3 +361,26 @@ def test_a_resumed_stream_keeps_its_penalties_min_tokens_and_logprobs(
         [e.logprobs.logprob for e in alone], abs=1e-4)
     assert 2 not in tokens[:10]
     assert [e.token_id for e in unpenalized] != tokens  # the penalties were in force
+
+
+def test_the_trace_keeps_the_first_streams_cached_tokens_across_a_resume():
+    """usage reports the prefix cache's share of the client's prompt: the first stream's.
+    A retry re-prefills prompt + delivered tokens, mostly from the cache; that count is not
+    the prompt's."""
+    seen: list[PrefillRequest] = []
+
+    def stream(preq):
+        seen.append(preq)
+        events = token_stream(preq, fail_at=5 if len(seen) == 1 else None)
+
+        async def gen():
+            first = await events.__anext__()
+            yield dataclasses.replace(first, cached_tokens=2 if len(seen) == 1 else 7)
+            async for item in events:
+                yield item
+        return gen()
+
+    trace = RequestTrace()
+    out = run(split_path(*hop_handles(stream)), request(), trace)
+    assert [e.token_id for e in out] == TOKENS and trace.attempts == 2
+    assert trace.cached_tokens == 2 and trace.stream_start.cached_tokens == 7
