@@ -222,8 +222,8 @@ class _SamplingFields(_Neutral):
         None, description="Drop tokens less likely than min_p x the most likely (vLLM "
         "extension); 0 is off.")
     min_tokens: Annotated[int, Field(ge=0)] | None = Field(
-        None, description="EOS and stop_token_ids cannot end the output before this many "
-        "tokens (vLLM extension).")
+        None, description="EOS, stop_token_ids and stop strings cannot end the output "
+        "before this many tokens (vLLM extension).")
     stream: bool = Field(False, description="Stream Server-Sent Events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
 

@@ -384,3 +384,32 @@ def test_the_trace_keeps_the_first_streams_cached_tokens_across_a_resume():
     out = run(split_path(*hop_handles(stream)), request(), trace)
     assert [e.token_id for e in out] == TOKENS and trace.attempts == 2
     assert trace.cached_tokens == 2 and trace.stream_start.cached_tokens == 7
+
+
+def test_a_resumed_stream_holds_stop_strings_off_for_the_same_tokens():
+    """min_tokens counts the whole stream's index: a stream resumed within its min_tokens
+    gives the ingress the same text as an undisturbed one."""
+    from app.output import text_deltas
+
+    class Tok:  # token 100 + k reads "ab", "c", "ab", "x", ... (k mod 4)
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(("ab", "c", "ab", "x")[(i - 100) % 4] for i in ids)
+
+    sp = SamplingParams(max_tokens=len(TOKENS), temperature=0.0, stop=("ab",), min_tokens=3)
+    preq = PrefillRequest("req", (1, 2, 3), sp)
+
+    def text(fail_at: int | None) -> tuple[str, int]:
+        calls: list[PrefillRequest] = []
+
+        def stream(p):
+            calls.append(p)
+            return token_stream(p, fail_at=fail_at if len(calls) == 1 else None)
+
+        async def collect():
+            deltas = text_deltas(split_path(*hop_handles(stream)).resumable_stream(
+                preq, RequestTrace()), Tok(), sp)
+            return "".join([d.text async for d in deltas])
+        return asyncio.run(collect()), len(calls)
+
+    assert text(None) == ("abcabx", 1)  # "ab" of tokens 0 and 2 held off, token 4's stops
+    assert text(2) == ("abcabx", 2)
