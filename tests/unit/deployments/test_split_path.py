@@ -286,11 +286,32 @@ def test_n_answers_share_one_prefill_and_a_lost_answer_resumes_alone():
     assert [args[1:] for name, args in decode.calls] == [(0,), (1,), (), (2,)]
 
 
-def test_n_answers_on_the_local_path_prefill_each_on_its_own():
-    decode = FakeHandle(generate_local=lambda preq: FakeCall(stream=token_stream(preq)))
-    path = split_path(None, decode)
+@pytest.mark.parametrize("colocated", [True, False])
+def test_n_answers_on_the_local_path_share_one_prefill_on_the_decode_side(colocated):
+    """The colocated app, and a prompt under local_prefill_threshold: the decode side makes
+    the one package (make_kv_package) and each answer's stream reads it with its choice;
+    the prefill phase is never called."""
+    decode = FakeHandle(
+        make_kv_package=lambda preq: FakeCall(value=preq),
+        generate=lambda wrapped, choice=None: FakeCall(
+            stream=token_stream(choice_request(wrapped[0], choice))))
+    prefill = None if colocated else FakeHandle()
+    path = split_path(prefill, decode, local_prefill_threshold=0 if colocated else 4)
     preq = PrefillRequest("req", (1, 2, 3), SamplingParams(max_tokens=4, seed=1), n=2)
-    assert asyncio.run(path.shared_prefill(preq)) is None
+
+    async def all_answers():
+        ref = await path.shared_prefill(preq)
+        assert ref is preq
+        answers = []
+        for k in range(2):
+            stream = path.resumable_stream(choice_request(preq, k), RequestTrace(), (ref, k))
+            answers.append([e.token_id async for e in stream])
+        return answers
+
+    assert asyncio.run(all_answers()) == [TOKENS] * 2
+    assert [(name, args[1:]) for name, args in decode.calls] == [
+        ("make_kv_package", ()), ("generate", (0,)), ("generate", (1,))]
+    assert prefill is None or prefill.calls == []
 
 
 @pytest.mark.parametrize(("temperature", "presence", "frequency"),
