@@ -474,6 +474,7 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_supplied():
 def test_http_usage_counts_the_first_streams_cached_tokens_once(client, ingress, monkeypatch):
     """Through the ingress: the cached count of the answer's StreamStart reaches ``usage``,
     whole and streamed; with n = 2 the prompt (and its cached part) counts once."""
+    from deployments.split_path import choice_request
     from tests.unit.deployments.test_split_path import FakeCall, FakeHandle, token_stream
 
     def cached_stream(preq):
@@ -485,7 +486,12 @@ def test_http_usage_counts_the_first_streams_cached_tokens_once(client, ingress,
                 yield item
         return FakeCall(stream=gen())
 
-    monkeypatch.setattr(ingress.path, "decode", FakeHandle(generate_local=cached_stream))
+    # a colocated server: n > 1 is one make_kv_package, then generate([ref], k) per answer
+    decode = FakeHandle(
+        generate_local=cached_stream, make_kv_package=lambda preq: FakeCall(value=preq),
+        generate=lambda wrapped, k: cached_stream(choice_request(wrapped[0], k)))
+    monkeypatch.setattr(ingress.path, "decode", decode)
+    monkeypatch.setattr(ingress.path, "locate", lambda ref: ([], None))  # no Ray here
     r = client.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 3})
     assert r.status_code == 200, r.text
     one = r.json()["usage"]
@@ -495,6 +501,8 @@ def test_http_usage_counts_the_first_streams_cached_tokens_once(client, ingress,
     assert two["prompt_tokens_details"] == {"cached_tokens": 1}
     assert two["prompt_tokens"] == one["prompt_tokens"]
     assert two["completion_tokens"] == 2 * one["completion_tokens"]
+    assert [name for name, _ in decode.calls[-3:]] == ["make_kv_package", "generate",
+                                                        "generate"]
     r = client.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 3,
                                              "stream": True,
                                              "stream_options": {"include_usage": True}})
