@@ -63,14 +63,16 @@ class GenerationOutput:
 async def text_deltas(
     events: AsyncIterator[TokenEvent], tokenizer, sampling: SamplingParams
 ) -> AsyncIterator[StreamDelta]:
-    """Detokenize a token stream; stop early (closing ``events``) when a stop string appears."""
-    detok = IncrementalDetokenizer(tokenizer, sampling.stop)
+    """Detokenize a token stream; stop early (closing ``events``) when a stop string appears
+    past the first ``min_tokens`` tokens (counted by the events' whole-stream index, so a
+    resumed stream counts the tokens delivered before its resume)."""
+    detok = IncrementalDetokenizer(tokenizer, sampling.stop, min_tokens=sampling.min_tokens)
     try:
         async for ev in events:
             if ev.error is not None:
                 raise GenerationFailed(f"generation failed: {ev.error}")
             ids = [] if ev.token_id is None else [ev.token_id]
-            text = detok.add(ev.token_id) if ev.token_id is not None else ""
+            text = detok.add(ev.token_id, ev.index) if ev.token_id is not None else ""
             lps = None if ev.logprobs is None else [LogprobText.of(ev.logprobs, tokenizer)]
             if detok.stopped:
                 yield StreamDelta(text, ids, FinishReason.STOP, lps)

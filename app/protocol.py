@@ -222,8 +222,8 @@ class _SamplingFields(_Neutral):
         None, description="Drop tokens less likely than min_p x the most likely (vLLM "
         "extension); 0 is off.")
     min_tokens: Annotated[int, Field(ge=0)] | None = Field(
-        None, description="EOS and stop_token_ids cannot end the output before this many "
-        "tokens (vLLM extension).")
+        None, description="EOS, stop_token_ids and stop strings cannot end the output "
+        "before this many tokens (vLLM extension).")
     stream: bool = Field(False, description="Stream Server-Sent Events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
 
@@ -404,15 +404,29 @@ class Endpoint(str, enum.Enum):
 # Typed so that FastAPI documents them in /openapi.json; built with plain values.
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details``."""
+
+    cached_tokens: int = Field(
+        0, ge=0, description="prompt tokens whose KV came from the prefix cache, not computed")
+
+
 class Usage(BaseModel):
+    """Token counts of a request; with ``n > 1`` the prompt counts once. The details are
+    always present (OpenAI's shape; vLLM sends them only behind a flag), so a client can
+    read ``cached_tokens`` without knowing the server."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(
+                       cached_tokens=min(cached_tokens, prompt_tokens)))
 
 
 class TopLogprob(BaseModel):

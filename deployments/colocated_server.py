@@ -9,6 +9,8 @@ as the prompt takes; that stall is what the split app removes.
 
 It answers the Ingress like a decode replica that prefills locally: ``generate_local`` takes a
 :class:`PrefillRequest` and streams a :class:`StreamStart`, then :class:`TokenEvent` items.
+An ``n > 1`` request is prefilled once (``make_kv_package``, a first token per answer) and
+each answer's stream reads that package (``generate([ref], k)``), as in the split app.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from ray import serve
 
+from app.kv_package import KVPackage
 from app.messages import PrefillRequest, StreamStart, TokenEvent
 from deployments.metrics import PrefillMetrics
 from deployments.replica import DecodeReplica, PrefillQueue
@@ -36,10 +39,15 @@ class ColocatedServer(DecodeReplica):
     def prefills_waiting(self) -> int:
         return self.batcher.waiting_requests
 
+    async def make_kv_package(self, req: PrefillRequest) -> KVPackage:
+        """Prefill ``req`` here (batched with prompts that arrive together); called through
+        the handle for the one prefill of an ``n > 1`` request."""
+        return await self.batcher.enqueue(req)
+
     async def generate_local(self, req: PrefillRequest) -> AsyncIterator[StreamStart | TokenEvent]:
-        """Prefill ``req`` here (batched with prompts that arrive together), then stream its
-        tokens from this replica's running batch: a :class:`StreamStart`, then tokens."""
-        package = await self.batcher.enqueue(req)
+        """Prefill ``req`` here, then stream its tokens from this replica's running batch: a
+        :class:`StreamStart`, then tokens."""
+        package = await self.make_kv_package(req)
         yield StreamStart(self.node_id, package.kv_nbytes, time.time() - package.created_at, 0.0,
                           package.prefill_s, local_prefill=True, replica_id=self.replica_id,
                           prefill_done_at=package.created_at,

@@ -6,7 +6,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import ray
 from ray import serve
 
 from app.kv_package import KVPackage
@@ -22,45 +21,15 @@ class DecodeServer(DecodeReplica):
         # short prompts are prefilled here (conditional disaggregation): same code, same model
         self.prefiller = self.core.make_prefiller(self.eos_token_ids)
         self.tpot_window_s = self.args.decode.latency_window_s
-        self.local_prefills = 0  # streams that were prefilled here
+        self.local_prefills = 0  # prompts that were prefilled here
         self.local_prefilling = 0  # of those, still in their prefill
-        self.kv_bytes_received = 0
-        self.hop_s_total = 0.0
 
-    async def generate(self, wrapped_ref: list[ray.ObjectRef],
-                       choice: int | None = None) -> AsyncIterator[Any]:
-        """Stream one request: a :class:`StreamStart`, then :class:`TokenEvent` items.
-
-        ``wrapped_ref`` holds the KV package's ObjectRef inside a list so Ray passes it here
-        unresolved; this replica resolves it, pulling the bytes from the prefill node.
-        ``choice`` picks one answer of a package made for several (``n > 1``): one object
-        in the store, read by one stream per answer.
-        """
-        t0 = time.time()
-        package: KVPackage = await wrapped_ref[0]
-        wrapped_ref.clear()  # drop our reference: the object can be freed once copied in
-        if choice is not None:
-            package = package.for_choice(choice)
-        fetched = time.time()
-        hop = fetched - package.created_at
-        self.kv_bytes_received += package.kv_nbytes
-        self.hop_s_total += hop
-        self.metrics.kv_hop.observe(hop)
-        self.metrics.kv_hop_bytes.inc(package.kv_nbytes)
-        yield StreamStart(self.node_id, package.kv_nbytes, hop, fetched - t0, package.prefill_s,
-                          replica_id=self.replica_id, prefill_done_at=package.created_at,
-                          cached_tokens=package.cached_tokens)
-        async for event in self._stream(package):
-            yield event
-
-    async def generate_local(self, req: PrefillRequest) -> AsyncIterator[Any]:
-        """Prefill a short prompt on this replica, then decode it in this replica's batch.
-
-        The same stream as :meth:`generate` (a :class:`StreamStart`, then tokens) without the
-        KV hop. The prefill holds the model between two decode steps, so only prompts short
-        enough to cost the running batch less than a hop would come here
-        (``local_prefill_threshold``).
-        """
+    async def make_kv_package(self, req: PrefillRequest) -> KVPackage:
+        """Prefill a short prompt on this replica (``local_prefill_threshold``). The prefill
+        holds the model between two decode steps, so only prompts short enough to cost the
+        running batch less than a hop come here. Called through the handle for an ``n > 1``
+        request: one prefill, a first token per answer, and each answer's stream reads the
+        package with ``generate([ref], k)``, as in the split path."""
         self.prefiller.validate(req)
         self.local_prefilling += 1
         try:
@@ -68,6 +37,13 @@ class DecodeServer(DecodeReplica):
         finally:
             self.local_prefilling -= 1
         self.local_prefills += 1
+        return package
+
+    async def generate_local(self, req: PrefillRequest) -> AsyncIterator[Any]:
+        """Prefill a short prompt on this replica, then decode it in this replica's batch:
+        the same stream as :meth:`generate` (a :class:`StreamStart`, then tokens) without
+        the KV hop."""
+        package = await self.make_kv_package(req)
         yield StreamStart(self.node_id, package.kv_nbytes, 0.0, 0.0, package.prefill_s,
                           local_prefill=True, replica_id=self.replica_id,
                           prefill_done_at=package.created_at,

@@ -228,13 +228,15 @@ class Ingress:
             m.tpot.observe(trace.tpot_s)
 
     async def answers(self, endpoint: Endpoint, preq: PrefillRequest,
-                      trace: RequestTrace | None = None) -> list[AsyncIterator[StreamDelta]]:
-        """One delta stream per answer. ``n > 1``: the prompt is prefilled once (a first token
-        per answer) and every answer's decode stream reads that one KV object."""
+                      trace: RequestTrace) -> list[AsyncIterator[StreamDelta]]:
+        """One delta stream per answer, the first recorded in ``trace`` (whose
+        ``cached_tokens`` the usage reports: the prompt counts once). ``n > 1``: the prompt
+        is prefilled once (a first token per answer) and every answer's decode stream reads
+        that one KV object."""
         if preq.n == 1:
             return [self.deltas(endpoint, preq, trace)]
         ref = await self.path.shared_prefill(preq)
-        return [self.deltas(endpoint, choice_request(preq, k),
+        return [self.deltas(endpoint, choice_request(preq, k), trace if k == 0 else None,
                             shared=None if ref is None else (ref, k))
                 for k in range(preq.n)]
 
@@ -242,6 +244,7 @@ class Ingress:
                        trace: RequestTrace | None = None) -> dict[str, Any]:
         """The whole answer of a non-streamed request (``trace``: of its first answer)."""
         preq = self.prepare(endpoint, req, client_id)
+        trace = trace or RequestTrace()
         streams = await self.answers(endpoint, preq, trace)
 
         async def collect(stream: AsyncIterator[StreamDelta]
@@ -266,12 +269,13 @@ class Ingress:
                                [(text, finish) for text, _, finish, _ in results],
                                preq.num_tokens, sum(n for _, n, _, _ in results),
                                [lps for *_, lps in results]
-                               if preq.sampling.logprobs is not None else None)
+                               if preq.sampling.logprobs is not None else None,
+                               cached_tokens=trace.cached_tokens or 0)
 
-    async def indexed_deltas(self, endpoint: Endpoint,
-                             preq: PrefillRequest) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """(answer index, delta) of every answer, as they come."""
-        streams = await self.answers(endpoint, preq)
+    async def indexed_deltas(self, endpoint: Endpoint, preq: PrefillRequest,
+                             trace: RequestTrace) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """(answer index, delta) of every answer, as they come (``trace``: the first's)."""
+        streams = await self.answers(endpoint, preq, trace)
         if len(streams) == 1:
             async for delta in streams[0]:
                 yield 0, delta
@@ -284,8 +288,10 @@ class Ingress:
         """The chunks of a streamed answer."""
         preq = self.prepare(endpoint, req, client_id)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        trace = RequestTrace()
         return stream_chunks(endpoint, preq.request_id, self.model_name, preq.num_tokens,
-                             self.indexed_deltas(endpoint, preq), include_usage)
+                             self.indexed_deltas(endpoint, preq, trace), include_usage,
+                             cached_tokens=lambda: trace.cached_tokens or 0)
 
     async def answer(self, endpoint: Endpoint, req: GenerationRequest,
                      http: Request) -> Response:

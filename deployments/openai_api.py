@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -300,9 +300,11 @@ def completion_logprobs(entries: list[LogprobText], text_offset: int = 0) -> dic
 def completion_body(endpoint: Endpoint, request_id: str, model: str,
                     answers: list[tuple[str, FinishReason | None]], prompt_tokens: int,
                     completion_tokens: int,
-                    logprobs: list[list[LogprobText]] | None = None) -> dict[str, Any]:
+                    logprobs: list[list[LogprobText]] | None = None,
+                    cached_tokens: int = 0) -> dict[str, Any]:
     """A whole (non-streamed) answer as a JSON-ready dict: one choice per (text, finish),
-    with each answer's ``logprobs`` when the request asked for them."""
+    with each answer's ``logprobs`` when the request asked for them. ``cached_tokens``:
+    prompt tokens the prefix cache supplied (``usage.prompt_tokens_details``)."""
     choices: list[ChatChoice] | list[CompletionChoice]
     shape = chat_logprobs if endpoint is Endpoint.CHAT else completion_logprobs
     lps = ([shape(entries) for entries in logprobs] if logprobs is not None
@@ -316,16 +318,20 @@ def completion_body(endpoint: Endpoint, request_id: str, model: str,
                    for k, ((text, finish), lp) in enumerate(zip(answers, lps, strict=True))]
     return CompletionResponse(
         id=request_id, object=endpoint.object_name, created=now(), model=model,
-        choices=choices, usage=Usage.of(prompt_tokens, completion_tokens),
+        choices=choices, usage=Usage.of(prompt_tokens, completion_tokens, cached_tokens),
     ).model_dump(mode="json")
 
 
 async def stream_chunks(endpoint: Endpoint, request_id: str, model: str, prompt_tokens: int,
                         deltas: AsyncIterator[tuple[int, StreamDelta]],
-                        include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+                        include_usage: bool,
+                        cached_tokens: Callable[[], int] = lambda: 0,
+                        ) -> AsyncIterator[dict[str, Any]]:
     """The chunk dicts of a streamed answer (the shape of ``app.protocol.StreamChunk``,
     built as plain dicts: this runs once per token). ``deltas`` yields (choice index,
-    delta); each choice's first chunk is sent even when empty (it carries the role)."""
+    delta); each choice's first chunk is sent even when empty (it carries the role).
+    ``cached_tokens`` is called for the usage chunk, at the end: the prefix cache's share
+    of the prompt is known only once the prefill has run."""
     head = {"id": request_id, "object": endpoint.chunk_object_name, "created": now(),
             "model": model}
     chat = endpoint is Endpoint.CHAT
@@ -356,7 +362,8 @@ async def stream_chunks(endpoint: Endpoint, request_id: str, model: str, prompt_
         started.add(index)
         yield {**head, "choices": [choice]}
     if include_usage:
-        yield {**head, "choices": [], "usage": Usage.of(prompt_tokens, n_out).model_dump()}
+        usage = Usage.of(prompt_tokens, n_out, cached_tokens())
+        yield {**head, "choices": [], "usage": usage.model_dump()}
 
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

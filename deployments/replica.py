@@ -19,7 +19,7 @@ from app.config import EngineConfig
 from app.engine_core import EngineCore
 from app.errors import ReplicaUnhealthyError
 from app.kv_package import KVPackage
-from app.messages import PrefillRequest
+from app.messages import PrefillRequest, StreamStart
 from app.model_loader import load_tokenizer
 from app.prefill import PrefillJob
 from deployments.args import AppArgs
@@ -241,8 +241,38 @@ class DecodeReplica:
         self.replica_id = current_replica_id()
         self.metrics = DecodeMetrics(self.args.model_name)
         self.started = 0
+        self.kv_bytes_received = 0
+        self.hop_s_total = 0.0
         self._stats_task: asyncio.Task | None = None
         self.unhealthy: str | None = None  # set when the health check finds the loop wedged
+
+    async def generate(self, wrapped_ref: list[ray.ObjectRef],
+                       choice: int | None = None) -> AsyncIterator[Any]:
+        """Stream one request: a :class:`StreamStart`, then :class:`TokenEvent` items.
+
+        ``wrapped_ref`` holds the KV package's ObjectRef inside a list so Ray passes it here
+        unresolved; this replica resolves it, pulling the bytes from the node that made it.
+        ``choice`` picks one answer of a package made for several (``n > 1``): one object
+        in the store, read by one stream per answer. Every replica that decodes has it: the
+        answers of a prompt prefilled on a decode replica or in the colocated app share
+        their package this way too.
+        """
+        t0 = time.time()
+        package: KVPackage = await wrapped_ref[0]
+        wrapped_ref.clear()  # drop our reference: the object can be freed once copied in
+        if choice is not None:
+            package = package.for_choice(choice)
+        fetched = time.time()
+        hop = fetched - package.created_at
+        self.kv_bytes_received += package.kv_nbytes
+        self.hop_s_total += hop
+        self.metrics.kv_hop.observe(hop)
+        self.metrics.kv_hop_bytes.inc(package.kv_nbytes)
+        yield StreamStart(self.node_id, package.kv_nbytes, hop, fetched - t0, package.prefill_s,
+                          replica_id=self.replica_id, prefill_done_at=package.created_at,
+                          cached_tokens=package.cached_tokens)
+        async for event in self._stream(package):
+            yield event
 
     async def _stream(self, package: KVPackage) -> AsyncIterator[Any]:
         """Join ``package`` to the running batch and yield its tokens. A stream this replica

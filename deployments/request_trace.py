@@ -35,6 +35,9 @@ class RequestTrace:
     attempts: int = 0  # streams started: 1, plus one per retry
     kv_locations: list[str] | None = None
     kv_object_size: int | None = None
+    # prompt tokens the prefix cache supplied to the first stream's prefill: what usage
+    # reports (a retry re-prefills a longer prompt, mostly from the cache)
+    cached_tokens: int | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -115,12 +115,12 @@ class SplitPath:
 
     async def shared_prefill(self, preq: PrefillRequest) -> ray.ObjectRef | None:
         """``n > 1``: prefill the prompt once, a first token per answer, and return the
-        package's ref for every answer's first attempt. None where each answer prefills on
-        its own: prompts prefilled on the decode replica (and the colocated app), or when the
-        prefill phase cannot be reached (each answer then goes its own way, with retries)."""
-        if self._prefills_locally(preq):
-            return None
-        call = self.prefill.make_kv_package.remote(preq)
+        package's ref for every answer's first attempt (``generate([ref], k)``). A prompt
+        prefilled locally is prefilled by a decode replica (or the colocated server), whose
+        package the answers read the same way. None when that phase cannot be reached: each
+        answer then goes its own way, with retries."""
+        phase = self.decode if self._prefills_locally(preq) else self.prefill
+        call = phase.make_kv_package.remote(preq)
         try:
             return await asyncio.wait_for(call._to_object_ref(), self.request_timeout_s)
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
@@ -167,6 +167,8 @@ class SplitPath:
             async for item in stream:
                 if isinstance(item, StreamStart):
                     trace.stream_start = item
+                    if trace.cached_tokens is None:
+                        trace.cached_tokens = item.cached_tokens
                     trace.attempts += 1
                     if trace.kv_locations is None and ref is not None:
                         trace.kv_locations, trace.kv_object_size = self.locate(ref)

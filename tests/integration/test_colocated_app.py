@@ -114,6 +114,29 @@ def test_one_deployment_prefills_and_decodes(colocated_url, split_cluster):
     assert after["started"] == before["started"] + 1
 
 
+def test_n_answers_share_one_prefill(colocated_url, reference):
+    """n = 3 in the colocated app: one prefill (a first token per answer), three decode
+    streams that read its package; greedy answers are the reference, counted once in usage
+    for the prompt."""
+    stats = serve.get_deployment_handle("ColocatedServer", COLO).stats
+    body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 24,
+            "temperature": 0, "n": 3}
+    before = stats.remote().result(timeout_s=60)
+    r = httpx.post(f"{colocated_url}/v1/chat/completions", json=body, timeout=180)
+    after = stats.remote().result(timeout_s=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert after["prefills"] == before["prefills"] + 1
+    assert after["started"] == before["started"] + 3
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert {c["message"]["content"] for c in out["choices"]} == {reference[1].text}
+    single = httpx.post(f"{colocated_url}/v1/chat/completions", json={**body, "n": 1},
+                        timeout=180).json()["usage"]
+    assert out["usage"]["prompt_tokens"] == single["prompt_tokens"]
+    assert out["usage"]["completion_tokens"] == 3 * single["completion_tokens"]
+    assert single["prompt_tokens_details"]["cached_tokens"] > 0  # prefilled just before
+
+
 def test_prefill_of_a_new_prompt_interleaves_with_a_running_stream(colocated_url, reference):
     """A prompt arriving while another stream decodes is prefilled between its steps and gets
     its first token long before that stream ends; both outputs stay exact."""

@@ -162,6 +162,46 @@ def test_n_answers_share_one_prefill(split_app, reference):
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_supplied(split_app):
+    """The same long prompt twice: the second is prefilled from the cache (prefix affinity
+    sends it to the same replica), and usage says how many prompt tokens came from it, whole
+    16-token blocks, always leaving the last token to compute; in a whole body and in a
+    stream's usage chunk."""
+    body = {"prompt": "Splitserve caches prompt prefixes. " * 12, "max_tokens": 2,
+            "temperature": 0}
+    url = f"{split_app.url}/v1/completions"
+    first = httpx.post(url, json=body, timeout=120).json()["usage"]
+    assert set(first["prompt_tokens_details"]) == {"cached_tokens"}
+    again = httpx.post(url, json=body, timeout=120).json()["usage"]
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (again["prompt_tokens"] - 1) // 16 * 16 > 0
+    with httpx.stream("POST", url, json={**body, "stream": True,
+                                         "stream_options": {"include_usage": True}},
+                      timeout=120) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+
+
+def test_min_tokens_holds_stop_strings_off(split_app, reference, smollm_tokenizer):
+    """A stop string the answer starts with: it ends the answer at once, unless it lies
+    within the first min_tokens tokens' text (vLLM's rule); the text is then the reference
+    cut at the first occurrence that ends past them."""
+    from app.detokenizer import IncrementalDetokenizer
+
+    ref = reference[0]
+    stop = ref.text[:2]
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 24,
+            "temperature": 0, "stop": [stop]}
+    url = f"{split_app.url}/v1/chat/completions"
+    r = httpx.post(url, json=body, timeout=120).json()
+    assert r["choices"][0]["message"]["content"] == ""
+    detok = IncrementalDetokenizer(smollm_tokenizer, (stop,), min_tokens=3)
+    expected = "".join(detok.add(t) for t in ref.token_ids) + detok.finish()
+    r = httpx.post(url, json={**body, "min_tokens": 3}, timeout=120).json()
+    assert r["choices"][0]["message"]["content"] == expected and len(expected) >= 2
+
+
 BAD_REQUESTS = [
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),

@@ -205,6 +205,58 @@ async def test_text_deltas_errors(smollm_tokenizer):
         await _collect(src, tok, SamplingParams())
 
 
+# ---- min_tokens holds stop strings off (vLLM's rule) -------------------------------------
+
+
+class _Pieces:
+    """A tokenizer whose tokens 0 to 5 read "ab", "c", "ab", "x", "ab", "y"."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(("ab", "c", "ab", "x", "ab", "y")[i] for i in ids)
+
+
+@pytest.mark.parametrize(("min_tokens", "text", "stopped"), [
+    (0, "", True),  # no min_tokens: the first "ab" stops
+    (1, "abc", True),  # token 0's "ab" is held off, token 2's stops
+    (2, "abc", True),
+    (3, "abcabx", True),  # tokens 0..2 held off, token 4's "ab" stops
+    (5, "abcabxaby", False),  # every "ab" is within the first 5 tokens
+])
+def test_min_tokens_holds_off_stop_strings_ending_in_its_tokens(min_tokens, text, stopped):
+    """As vLLM: a stop string counts only when it ends in the text of a token past the
+    first ``min_tokens``."""
+    detok = IncrementalDetokenizer(_Pieces(), ("ab",), min_tokens=min_tokens)
+    out = "".join(detok.add(t) for t in range(6)) + detok.finish()
+    assert (out, detok.text, detok.stopped) == (text, text, stopped)
+
+
+def test_a_stop_string_may_begin_in_the_min_tokens_text_and_end_after_it():
+    detok = IncrementalDetokenizer(_Pieces(), ("ca",), min_tokens=2)  # "c" is token 1's
+    out = "".join(detok.add(t) for t in range(6)) + detok.finish()
+    assert (out, detok.stopped) == ("ab", True)
+    # ending within them, it does not count
+    detok = IncrementalDetokenizer(_Pieces(), ("bc",), min_tokens=2)
+    out = "".join(detok.add(t) for t in range(6)) + detok.finish()
+    assert (out, detok.stopped) == ("abcabxaby", False)
+
+
+def test_min_tokens_counts_the_streams_index_not_the_tokens_fed():
+    """A stream whose events start past index 0 (its earlier tokens were counted already)
+    is past its min_tokens sooner."""
+    detok = IncrementalDetokenizer(_Pieces(), ("ab",), min_tokens=3)
+    assert detok.add(0, index=3) == "" and detok.stopped
+
+
+async def test_text_deltas_hold_stop_strings_off_until_min_tokens_and_to_the_end():
+    """The stream ends (length) at exactly min_tokens tokens: its held-back tail is released
+    whole, a stop string in it included."""
+    tok = _Pieces()
+    out = await _collect(_Source([0, 1, 2, 3]), tok, SamplingParams(stop=("ab",), min_tokens=1))
+    assert (out.text, out.finish_reason) == ("abc", "stop")
+    out = await _collect(_Source([0, 1, 2]), tok, SamplingParams(stop=("ab",), min_tokens=3))
+    assert (out.text, out.finish_reason) == ("abcab", "length")
+
+
 # ---- chat / prompt building --------------------------------------------------------------
 
 

@@ -6,6 +6,8 @@ expects (/v1/models/{id}, /tokenize, /detokenize, /version)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 from types import SimpleNamespace
 
@@ -65,7 +67,8 @@ def test_several_choices_in_a_body_and_in_chunks():
     CompletionResponse.model_validate(body)
     assert [(c["index"], c["message"]["content"]) for c in body["choices"]] == [
         (0, "one"), (1, "two")]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
     async def deltas():
         yield 1, StreamDelta("he", [1], None)
@@ -441,3 +444,68 @@ def test_new_routes_need_the_api_key_and_health_does_not(client):
         assert client.get("/openapi.json").status_code == 401
     finally:
         api.state.api_key = None
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_supplied():
+    """OpenAI's shape, always present: ``usage.prompt_tokens_details.cached_tokens``, in a
+    whole body and in a stream's usage chunk (read at the end, once the prefill ran)."""
+    body = completion_body(Endpoint.COMPLETION, "t", "m", [("x", FinishReason.STOP)], 40, 1,
+                           cached_tokens=32)
+    CompletionResponse.model_validate(body)
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    capped = completion_body(Endpoint.COMPLETION, "t", "m", [("x", None)], 4, 1,
+                             cached_tokens=9)
+    assert capped["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    cached = {"n": 0}
+
+    async def deltas():
+        cached["n"] = 16  # the first answer's stream started: the trace has it now
+        yield 0, StreamDelta("ok", [4], FinishReason.STOP)
+
+    async def run():
+        return [c async for c in stream_chunks(Endpoint.CHAT, "r", "m", 20, deltas(), True,
+                                               cached_tokens=lambda: cached["n"])]
+    last = asyncio.run(run())[-1]
+    StreamChunk.model_validate(last)
+    assert last["usage"] == {"prompt_tokens": 20, "completion_tokens": 1, "total_tokens": 21,
+                             "prompt_tokens_details": {"cached_tokens": 16}}
+
+
+def test_http_usage_counts_the_first_streams_cached_tokens_once(client, ingress, monkeypatch):
+    """Through the ingress: the cached count of the answer's StreamStart reaches ``usage``,
+    whole and streamed; with n = 2 the prompt (and its cached part) counts once."""
+    from deployments.split_path import choice_request
+    from tests.unit.deployments.test_split_path import FakeCall, FakeHandle, token_stream
+
+    def cached_stream(preq):
+        async def gen():
+            stream = token_stream(preq)
+            start = await stream.__anext__()
+            yield dataclasses.replace(start, cached_tokens=1)
+            async for item in stream:
+                yield item
+        return FakeCall(stream=gen())
+
+    # a colocated server: n > 1 is one make_kv_package, then generate([ref], k) per answer
+    decode = FakeHandle(
+        generate_local=cached_stream, make_kv_package=lambda preq: FakeCall(value=preq),
+        generate=lambda wrapped, k: cached_stream(choice_request(wrapped[0], k)))
+    monkeypatch.setattr(ingress.path, "decode", decode)
+    monkeypatch.setattr(ingress.path, "locate", lambda ref: ([], None))  # no Ray here
+    r = client.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    one = r.json()["usage"]
+    assert one["prompt_tokens_details"] == {"cached_tokens": 1}
+    r = client.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 3, "n": 2})
+    two = r.json()["usage"]
+    assert two["prompt_tokens_details"] == {"cached_tokens": 1}
+    assert two["prompt_tokens"] == one["prompt_tokens"]
+    assert two["completion_tokens"] == 2 * one["completion_tokens"]
+    assert [name for name, _ in decode.calls[-3:]] == ["make_kv_package", "generate",
+                                                        "generate"]
+    r = client.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 3,
+                                             "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}

@@ -286,11 +286,32 @@ def test_n_answers_share_one_prefill_and_a_lost_answer_resumes_alone():
     assert [args[1:] for name, args in decode.calls] == [(0,), (1,), (), (2,)]
 
 
-def test_n_answers_on_the_local_path_prefill_each_on_its_own():
-    decode = FakeHandle(generate_local=lambda preq: FakeCall(stream=token_stream(preq)))
-    path = split_path(None, decode)
+@pytest.mark.parametrize("colocated", [True, False])
+def test_n_answers_on_the_local_path_share_one_prefill_on_the_decode_side(colocated):
+    """The colocated app, and a prompt under local_prefill_threshold: the decode side makes
+    the one package (make_kv_package) and each answer's stream reads it with its choice;
+    the prefill phase is never called."""
+    decode = FakeHandle(
+        make_kv_package=lambda preq: FakeCall(value=preq),
+        generate=lambda wrapped, choice=None: FakeCall(
+            stream=token_stream(choice_request(wrapped[0], choice))))
+    prefill = None if colocated else FakeHandle()
+    path = split_path(prefill, decode, local_prefill_threshold=0 if colocated else 4)
     preq = PrefillRequest("req", (1, 2, 3), SamplingParams(max_tokens=4, seed=1), n=2)
-    assert asyncio.run(path.shared_prefill(preq)) is None
+
+    async def all_answers():
+        ref = await path.shared_prefill(preq)
+        assert ref is preq
+        answers = []
+        for k in range(2):
+            stream = path.resumable_stream(choice_request(preq, k), RequestTrace(), (ref, k))
+            answers.append([e.token_id async for e in stream])
+        return answers
+
+    assert asyncio.run(all_answers()) == [TOKENS] * 2
+    assert [(name, args[1:]) for name, args in decode.calls] == [
+        ("make_kv_package", ()), ("generate", (0,)), ("generate", (1,))]
+    assert prefill is None or prefill.calls == []
 
 
 @pytest.mark.parametrize(("temperature", "presence", "frequency"),
@@ -361,3 +382,55 @@ def test_a_resumed_stream_keeps_its_penalties_min_tokens_and_logprobs(
         [e.logprobs.logprob for e in alone], abs=1e-4)
     assert 2 not in tokens[:10]
     assert [e.token_id for e in unpenalized] != tokens  # the penalties were in force
+
+
+def test_the_trace_keeps_the_first_streams_cached_tokens_across_a_resume():
+    """usage reports the prefix cache's share of the client's prompt: the first stream's.
+    A retry re-prefills prompt + delivered tokens, mostly from the cache; that count is not
+    the prompt's."""
+    seen: list[PrefillRequest] = []
+
+    def stream(preq):
+        seen.append(preq)
+        events = token_stream(preq, fail_at=5 if len(seen) == 1 else None)
+
+        async def gen():
+            first = await events.__anext__()
+            yield dataclasses.replace(first, cached_tokens=2 if len(seen) == 1 else 7)
+            async for item in events:
+                yield item
+        return gen()
+
+    trace = RequestTrace()
+    out = run(split_path(*hop_handles(stream)), request(), trace)
+    assert [e.token_id for e in out] == TOKENS and trace.attempts == 2
+    assert trace.cached_tokens == 2 and trace.stream_start.cached_tokens == 7
+
+
+def test_a_resumed_stream_holds_stop_strings_off_for_the_same_tokens():
+    """min_tokens counts the whole stream's index: a stream resumed within its min_tokens
+    gives the ingress the same text as an undisturbed one."""
+    from app.output import text_deltas
+
+    class Tok:  # token 100 + k reads "ab", "c", "ab", "x", ... (k mod 4)
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(("ab", "c", "ab", "x")[(i - 100) % 4] for i in ids)
+
+    sp = SamplingParams(max_tokens=len(TOKENS), temperature=0.0, stop=("ab",), min_tokens=3)
+    preq = PrefillRequest("req", (1, 2, 3), sp)
+
+    def text(fail_at: int | None) -> tuple[str, int]:
+        calls: list[PrefillRequest] = []
+
+        def stream(p):
+            calls.append(p)
+            return token_stream(p, fail_at=fail_at if len(calls) == 1 else None)
+
+        async def collect():
+            deltas = text_deltas(split_path(*hop_handles(stream)).resumable_stream(
+                preq, RequestTrace()), Tok(), sp)
+            return "".join([d.text async for d in deltas])
+        return asyncio.run(collect()), len(calls)
+
+    assert text(None) == ("abcabx", 1)  # "ab" of tokens 0 and 2 held off, token 4's stops
+    assert text(2) == ("abcabx", 2)
