@@ -8,6 +8,7 @@ shared machine hits every figure alike):
   least a decode step must read;
 * the engine's decode step (``Decoder.step``: paged KV, sampling included) at batch 1 and
   batch 8 over 64-token contexts, as multiples of the floor, and batch 8 over batch 1;
+* a 1024-token prompt's prefill in one pass (``ModelRunner.forward_prefill``, 1,024 rows);
 * a 1024-token sequence joining a running batch of 8: the longest step of the join against
   the median step;
 * KV memory: tokens the running sequences hold over the tokens their blocks in use hold.
@@ -121,21 +122,31 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
 class Variant:
     """One engine (dtype, packed or not) with its floor and its batch-1 and batch-8 runs."""
 
-    def __init__(self, name: str, threads: int) -> None:
-        dtype, _, packed = name.partition("+")
+    def __init__(self, name: str, threads: int, prefill: bool = True) -> None:
+        dtype, *flags = name.split("+")
+        unknown = set(flags) - {"packed"}
+        if unknown:
+            raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
         self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype,
                                             num_threads=threads,
-                                            pack_weights=packed == "packed"))
+                                            pack_weights="packed" in flags))
         self.weight_bytes = step_weight_bytes(self.core.model)
         self.floor = Floor(self.weight_bytes, self.core.runner.dtype)
         self.b1 = Batch(self.core, [CONTEXT], seed=1)
         self.b8 = Batch(self.core, [CONTEXT] * 8, seed=2)
+        self.prompt = ([random.Random(3).randrange(100, 20000) for _ in range(JOIN_LENGTH)]
+                       if prefill else None)
         self.rows: dict[str, list[float]] = {"floor_ms": [], "step1_ms": [], "step8_ms": []}
+        if prefill:
+            self.rows["prefill1024_ms"] = []
 
     def round(self, steps: int) -> None:
         self.rows["floor_ms"].append(_median_ms(self.floor, steps))
         self.rows["step1_ms"].append(_median_ms(self.b1.step, steps))
         self.rows["step8_ms"].append(_median_ms(self.b8.step, steps))
+        if self.prompt is not None:
+            self.rows["prefill1024_ms"].append(
+                _median_ms(lambda: self.core.runner.forward_prefill([self.prompt]), 1))
 
     def summary(self, steps: int, join: bool = True) -> dict[str, float]:
         out = {k: statistics.median(v) for k, v in self.rows.items()}
@@ -149,11 +160,12 @@ class Variant:
 
 
 def measure(names: list[str], threads: int, rounds: int, steps: int,
-            join: bool = True) -> dict[str, dict]:
-    """Every variant's figures; rounds interleave the variants (and, in each, the floor and
-    both batches) so that a slow spell of a shared machine hits all of them alike."""
+            join: bool = True, prefill: bool = True) -> dict[str, dict]:
+    """Every variant's figures; rounds interleave the variants (and, in each, the floor,
+    both batches and the prefill) so that a slow spell of a shared machine hits all of them
+    alike."""
     torch.set_num_threads(threads)
-    variants = {name: Variant(name, threads) for name in names}
+    variants = {name: Variant(name, threads, prefill) for name in names}
     for _ in range(rounds):
         for variant in variants.values():
             variant.round(steps)
@@ -169,12 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-join", action="store_true",
-                        help="skip the 1024-token join (floor and steps only)")
+                        help="skip the 1024-token join")
+    parser.add_argument("--no-prefill", action="store_true",
+                        help="skip the 1024-token prefill")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     results = measure(args.variants.split(","), args.threads, args.rounds, args.steps,
-                      join=not args.no_join)
-    keys = ["weight_mb", "floor_ms", "step1_ms", "step8_ms", "step1_over_floor",
+                      join=not args.no_join, prefill=not args.no_prefill)
+    keys = ["weight_mb", "floor_ms", "step1_ms", "step8_ms", "prefill1024_ms", "step1_over_floor",
             "step8_over_step1", "ideal8_fraction", "median_step_ms", "join_step_ms",
             "longest_over_median", "kv_efficiency_batch8", "kv_efficiency_after_join"]
     print(f"decode step, {args.threads} thread(s), {CONTEXT}-token contexts")
