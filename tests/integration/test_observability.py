@@ -1,7 +1,7 @@
 """What an operator sees of a live split app: each documented metric series on the nodes'
 Prometheus endpoints (Ray's metrics export port) after a few requests, with plausible values
 and the served model's name; and ``serve status`` (the CLI, through the head's dashboard)
-reporting both phases healthy."""
+reporting both phases healthy; and an app the cluster cannot place failing at build time."""
 
 from __future__ import annotations
 
@@ -134,3 +134,19 @@ def test_serve_status_reports_both_phases_healthy(split_app):
     assert app.get("status") == "RUNNING", out.stdout
     assert healthy.get("PrefillServer") == "HEALTHY", out.stdout
     assert healthy.get("DecodeServer") == "HEALTHY", out.stdout
+
+
+def test_an_app_the_cluster_cannot_place_fails_at_build(split_app):
+    """What `serve run` / `serve deploy` build on this cluster: a phase tag that no node
+    offers fails at once with the fix named, instead of replicas pending forever."""
+    import ray
+
+    from deployments.builder import PlacementError, build_app
+
+    assert ray.is_initialized()  # connected to the test cluster, as `serve run` is
+    with pytest.raises(PlacementError, match="missing_accel") as err:
+        build_app({"prefill": {"resource_tag": "missing_accel"}})
+    assert "ray start" in str(err.value) and "allow_pending_resources" in str(err.value)
+    assert build_app({}) is not None  # the tags this cluster offers pass
+    assert build_app({"prefill": {"resource_tag": "missing_accel"},
+                      "allow_pending_resources": True}) is not None
