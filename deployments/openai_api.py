@@ -171,9 +171,8 @@ class _BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"the request body is over {limit} bytes")
 
 
-class BodyLimit:
-    """ASGI middleware: a body over the app's ``state.max_body_bytes`` gets 413, checked on the
-    declared length first and on the bytes as they arrive (a chunked upload)."""
+class _HttpMiddleware:
+    """ASGI middleware that acts on HTTP requests (``http``) and passes anything else on."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -182,9 +181,24 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def header(scope: dict[str, Any], name: bytes) -> bytes | None:
+        return dict(scope.get("headers") or []).get(name)
+
+
+class BodyLimit(_HttpMiddleware):
+    """ASGI middleware: a body over the app's ``state.max_body_bytes`` gets 413, checked on the
+    declared length first and on the bytes as they arrive (a chunked upload)."""
+
+    async def http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         # the app Serve runs (set by the Ingress at start), which need not be this module's
         limit = int(getattr(scope["app"].state, "max_body_bytes", 1 << 20))
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        declared = self.header(scope, b"content-length") or b""
         if declared.isdigit() and int(declared) > limit:
             too_large = PayloadTooLargeError(f"the request body is over {limit} bytes")
             await error_response(too_large)(scope, receive, send)
@@ -222,21 +236,15 @@ def client_request_id(given: str | None) -> str:
     return uuid.uuid4().hex
 
 
-class RequestIds:
+class RequestIds(_HttpMiddleware):
     """ASGI middleware: each HTTP request's ``client_request_id`` goes in
     ``scope["state"]["request_id"]`` for the routes, and in the response's ``X-Request-Id``.
     Behind Serve's proxy, which returns Serve's id in that header itself, the header is added
     only where the two differ (a client id that was refused), so no response carries one id
     twice."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope.get("headers") or []).get(b"x-request-id")
+    async def http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        given = self.header(scope, b"x-request-id")
         rid = client_request_id(given.decode("latin-1") if given is not None else None)
         scope.setdefault("state", {})["request_id"] = rid
         echoed = rid == serve_request_id()
