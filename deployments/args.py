@@ -195,12 +195,31 @@ class IngressArgs(_Deployment):
     api_key: str | None = Field(
         None, description="If set (or if the SPLITSERVE_API_KEY environment variable is set "
         "in the ingress replica), every route but /health needs 'Authorization: Bearer KEY'.")
+    kv_in_flight_bytes: int | None = Field(
+        None, ge=1, description="KV package bytes this ingress replica lets into the object "
+        "store: a package stays there from its prefill until its decode stream ends (Ray "
+        "keeps a task's argument objects until the task finishes). A prompt that does not fit "
+        "waits before prefill, within its deadline (backpressure from decode to prefill: "
+        "deployments.kv_budget). None: kv_in_flight_fraction of the smallest node object "
+        "store, shared by the ingress replicas.")
+    kv_in_flight_fraction: float = Field(
+        0.5, gt=0, le=1, description="The default kv_in_flight_bytes as a fraction of the "
+        "smallest object store among the cluster's nodes (read when the ingress starts).")
     trace_history: int = Field(
         1024, ge=0, description="Finished requests whose server-side timings (queueing, "
         "prefill, KV hop, decode) the ingress keeps for GET /debug/requests; 0 turns it off.")
 
     def _placement(self) -> dict[str, Any]:
         return {"resources": {self.resource_tag: 0.01}} if self.resource_tag else {}
+
+    @property
+    def max_replicas(self) -> int:
+        """The most ingress replicas this deployment may run (they share the KV budget)."""
+        opts = self.deployment_options()
+        scaling = opts.get("autoscaling_config")
+        if scaling:
+            return int(scaling.get("max_replicas", 1))
+        return int(opts.get("num_replicas", 1))
 
 
 class AppArgs(BaseModel):

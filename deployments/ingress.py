@@ -10,7 +10,7 @@ import asyncio
 import importlib.metadata
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 from urllib.parse import quote
 
@@ -22,7 +22,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app.chat import PromptBuilder
+from app.config import dtype_name
 from app.errors import InvalidRequestError, ModelNotFoundError, NotFoundError, QueueFullError
+from app.kv_package import KVLayout
 from app.messages import FinishReason, PrefillRequest
 from app.model_loader import load_tokenizer, read_model_shape
 from app.output import LogprobText, StreamDelta, text_deltas
@@ -42,6 +44,7 @@ from app.protocol import (
 )
 from app.sequence import validate_prompt
 from deployments.args import AppArgs
+from deployments.kv_budget import KVBudget, budget_from_cluster
 from deployments.metrics import IngressMetrics
 from deployments.openai_api import (
     ERROR_RESPONSES,
@@ -57,7 +60,7 @@ from deployments.openai_api import (
     validation_error,
 )
 from deployments.request_trace import RequestTrace, TraceHistory
-from deployments.split_path import SplitPath, choice_request, unwrap_error
+from deployments.split_path import SharedPackage, SplitPath, choice_request, unwrap_error
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 
@@ -81,13 +84,17 @@ class Ingress:
         """``decode`` streams tokens; in the colocated app it is the ColocatedServer, which
         prefills every prompt itself, and ``prefill`` is None."""
         self.args = AppArgs.model_validate(args)
-        self.path = SplitPath(
-            prefill, decode, local_prefill_threshold=self.args.local_prefill_threshold,
-            request_timeout_s=self.args.request_timeout_s, max_retries=self.args.max_retries,
-            retry_backoff_s=self.args.retry_backoff_s)
         self.tokenizer = load_tokenizer(self.args.engine)
         self.prompts = PromptBuilder(self.tokenizer)
         self.shape = read_model_shape(self.args.engine)
+        self.kv_budget = self.make_kv_budget() if prefill is not None else None
+        self.path = SplitPath(
+            prefill, decode, local_prefill_threshold=self.args.local_prefill_threshold,
+            request_timeout_s=self.args.request_timeout_s, max_retries=self.args.max_retries,
+            retry_backoff_s=self.args.retry_backoff_s, kv_budget=self.kv_budget,
+            kv_bytes_per_token=KVLayout(
+                self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
+                dtype_name(self.args.engine.torch_kv_dtype)).bytes_per_token())
         self.model_name = self.args.model_name
         self.node_id = ray.get_runtime_context().get_node_id()
         self.metrics = IngressMetrics(self.model_name)
@@ -96,6 +103,20 @@ class Ingress:
         api.state.api_key = (self.args.ingress.api_key or os.environ.get("SPLITSERVE_API_KEY")
                              or None)
         api.state.max_body_bytes = self.args.ingress.max_body_bytes
+
+    def make_kv_budget(self) -> KVBudget:
+        """The bound on KV bytes waiting in the object store for a decode replica: the
+        configured bytes, or a share of the smallest node object store."""
+        ing = self.args.ingress
+        capacity = ing.kv_in_flight_bytes or budget_from_cluster(
+            ray.nodes(), ing.kv_in_flight_fraction, ing.max_replicas)
+        logger.info("KV in flight: at most %.1f MB waiting for decode", capacity / 1e6)
+        return KVBudget(capacity)
+
+    def stats(self) -> dict[str, Any]:
+        """What this ingress replica holds now: answers in flight and the KV budget."""
+        return {"in_flight": self.in_flight,
+                **(self.kv_budget.stats() if self.kv_budget is not None else {})}
 
     # ---- request preparation -------------------------------------------------------------
 
@@ -166,7 +187,7 @@ class Ingress:
 
     async def deltas(self, endpoint: Endpoint, preq: PrefillRequest,
                      trace: RequestTrace | None = None,
-                     shared: tuple[ray.ObjectRef, int] | None = None,
+                     shared: tuple[SharedPackage, int] | None = None,
                      ) -> AsyncIterator[StreamDelta]:
         """The text of one answer as it is generated, with its accounting: in-flight count,
         outcome, latency and token metrics and the trace kept for ``GET /debug/requests``.
@@ -227,25 +248,27 @@ class Ingress:
         if trace.tpot_s is not None:
             m.tpot.observe(trace.tpot_s)
 
-    async def answers(self, endpoint: Endpoint, preq: PrefillRequest,
-                      trace: RequestTrace) -> list[AsyncIterator[StreamDelta]]:
+    async def answers(self, endpoint: Endpoint, preq: PrefillRequest, trace: RequestTrace
+                      ) -> tuple[list[AsyncIterator[StreamDelta]], Callable[[], None]]:
         """One delta stream per answer, the first recorded in ``trace`` (whose
-        ``cached_tokens`` the usage reports: the prompt counts once). ``n > 1``: the prompt
-        is prefilled once (a first token per answer) and every answer's decode stream reads
-        that one KV object."""
+        ``cached_tokens`` the usage reports: the prompt counts once), and what to call once
+        they have ended. ``n > 1``: the prompt is prefilled once (a first token per answer)
+        and every answer's decode stream reads that one KV object, whose room in the KV
+        budget the call gives back if no answer's stream did."""
         if preq.n == 1:
-            return [self.deltas(endpoint, preq, trace)]
-        ref = await self.path.shared_prefill(preq)
-        return [self.deltas(endpoint, choice_request(preq, k), trace if k == 0 else None,
-                            shared=None if ref is None else (ref, k))
-                for k in range(preq.n)]
+            return [self.deltas(endpoint, preq, trace)], lambda: None
+        shared = await self.path.shared_prefill(preq, trace)
+        streams = [self.deltas(endpoint, choice_request(preq, k), trace if k == 0 else None,
+                               shared=None if shared is None else (shared, k))
+                   for k in range(preq.n)]
+        return streams, (lambda: None) if shared is None else shared.reservation.release
 
     async def complete(self, endpoint: Endpoint, req: GenerationRequest, client_id: str,
                        trace: RequestTrace | None = None) -> dict[str, Any]:
         """The whole answer of a non-streamed request (``trace``: of its first answer)."""
         preq = self.prepare(endpoint, req, client_id)
         trace = trace or RequestTrace()
-        streams = await self.answers(endpoint, preq, trace)
+        streams, done = await self.answers(endpoint, preq, trace)
 
         async def collect(stream: AsyncIterator[StreamDelta]
                           ) -> tuple[str, int, Any, list[LogprobText]]:
@@ -265,6 +288,8 @@ class Ingress:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        finally:
+            done()
         return completion_body(endpoint, preq.request_id, self.model_name,
                                [(text, finish) for text, _, finish, _ in results],
                                preq.num_tokens, sum(n for _, n, _, _ in results),
@@ -275,13 +300,16 @@ class Ingress:
     async def indexed_deltas(self, endpoint: Endpoint, preq: PrefillRequest,
                              trace: RequestTrace) -> AsyncIterator[tuple[int, StreamDelta]]:
         """(answer index, delta) of every answer, as they come (``trace``: the first's)."""
-        streams = await self.answers(endpoint, preq, trace)
-        if len(streams) == 1:
-            async for delta in streams[0]:
-                yield 0, delta
-            return
-        async for item in merge_streams(streams):
-            yield item
+        streams, done = await self.answers(endpoint, preq, trace)
+        try:
+            if len(streams) == 1:
+                async for delta in streams[0]:
+                    yield 0, delta
+                return
+            async for item in merge_streams(streams):
+                yield item
+        finally:
+            done()
 
     def chunks(self, endpoint: Endpoint, req: GenerationRequest,
                client_id: str) -> AsyncIterator[dict[str, Any]]:

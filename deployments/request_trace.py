@@ -38,6 +38,9 @@ class RequestTrace:
     # prompt tokens the prefix cache supplied to the first stream's prefill: what usage
     # reports (a retry re-prefills a longer prompt, mostly from the cache)
     cached_tokens: int | None = None
+    # waiting for room in the ingress's KV budget before prefill (decode taking packages
+    # more slowly than prefill makes them: deployments.kv_budget), over all attempts
+    kv_budget_wait_s: float = 0.0
 
     @property
     def ttft_s(self) -> float | None:
@@ -81,6 +84,7 @@ class RequestTrace:
             "e2e_s": None if self.last_token is None else self.last_token - self.received,
             "output_tokens": self.output_tokens,
             "attempts": self.attempts,
+            "kv_budget_wait_s": self.kv_budget_wait_s,
             "breakdown": self.breakdown(),
         }
         if s is not None:

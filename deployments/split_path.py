@@ -19,6 +19,7 @@ from ray import serve
 from app.errors import ReplicaUnhealthyError, RequestTimeoutError, ServiceUnavailableError
 from app.messages import PrefillRequest, StreamStart, TokenEvent
 from app.output import GenerationFailed
+from deployments.kv_budget import KVBudget, Reservation
 from deployments.request_trace import RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -75,19 +76,34 @@ def choice_request(preq: PrefillRequest, k: int) -> PrefillRequest:
                           preq.sampling.for_choice(k), output_offset=preq.output_offset)
 
 
+@dataclasses.dataclass
+class SharedPackage:
+    """The one KV package of an ``n > 1`` request and the budget it holds until a decode
+    replica has taken it (``SplitPath.shared_prefill``)."""
+
+    ref: ray.ObjectRef
+    reservation: Reservation
+
+
 class SplitPath:
     """Runs requests through the phases.
 
     ``prefill`` is the PrefillServer handle, or None in the colocated app, where ``decode``
-    (the ColocatedServer) prefills every prompt itself.
+    (the ColocatedServer) prefills every prompt itself. ``kv_budget`` (with
+    ``kv_bytes_per_token``) bounds the KV bytes that wait in the object store between a
+    prefill and a decode replica taking them: a prompt that does not fit waits before
+    prefill (``deployments.kv_budget``).
     """
 
     def __init__(self, prefill: Any | None, decode: Any, *, local_prefill_threshold: int,
                  request_timeout_s: float, max_retries: int, retry_backoff_s: float,
-                 locate: Callable[[Any], tuple[list[str], int | None]] = kv_object_locations
+                 locate: Callable[[Any], tuple[list[str], int | None]] = kv_object_locations,
+                 kv_budget: KVBudget | None = None, kv_bytes_per_token: int = 0,
                  ) -> None:
         self.prefill = prefill
         self.decode = decode
+        self.kv_budget = kv_budget
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.local_prefill_threshold = local_prefill_threshold
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
@@ -113,22 +129,51 @@ class SplitPath:
     def _prefills_locally(self, preq: PrefillRequest) -> bool:
         return self.prefill is None or preq.num_tokens < self.local_prefill_threshold
 
-    async def shared_prefill(self, preq: PrefillRequest) -> ray.ObjectRef | None:
+    async def reserve_kv(self, preq: PrefillRequest, trace: RequestTrace | None = None
+                         ) -> Reservation:
+        """Room in the KV budget for ``preq``'s package (waits while there is none; the
+        wait is recorded in ``trace``). Without a budget, a reservation that holds nothing."""
+        if self.kv_budget is None:
+            return Reservation(None, 0)
+        reservation = await self.kv_budget.reserve(preq.num_tokens * self.kv_bytes_per_token)
+        if trace is not None:
+            trace.kv_budget_wait_s += reservation.wait_s
+        return reservation
+
+    async def shared_prefill(self, preq: PrefillRequest,
+                             trace: RequestTrace | None = None) -> SharedPackage | None:
         """``n > 1``: prefill the prompt once, a first token per answer, and return the
         package's ref for every answer's first attempt (``generate([ref], k)``). A prompt
         prefilled locally is prefilled by a decode replica (or the colocated server), whose
         package the answers read the same way. None when that phase cannot be reached: each
-        answer then goes its own way, with retries."""
-        phase = self.decode if self._prefills_locally(preq) else self.prefill
+        answer then goes its own way, with retries. The package holds its room in the KV
+        budget until every answer's stream has ended: the caller releases it then
+        (``SharedPackage.reservation``)."""
+        local = self._prefills_locally(preq)
+        phase = self.decode if local else self.prefill
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
+        try:
+            reservation = (Reservation(None, 0) if local else
+                           await asyncio.wait_for(self.reserve_kv(preq, trace),
+                                                  self.request_timeout_s))
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(
+                f"request {preq.request_id} took longer than the server's request timeout "
+                f"({self.request_timeout_s:g} s); its work was stopped") from None
         call = phase.make_kv_package.remote(preq)
         try:
-            return await asyncio.wait_for(call._to_object_ref(), self.request_timeout_s)
+            ref = await asyncio.wait_for(call._to_object_ref(),
+                                         max(0.0, deadline - loop.time()))
+            return SharedPackage(ref, reservation)
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+            reservation.release()
             call.cancel()
             raise RequestTimeoutError(
                 f"request {preq.request_id} took longer than the server's request timeout "
                 f"({self.request_timeout_s:g} s); its work was stopped") from None
         except Exception as exc:
+            reservation.release()
             call.cancel()
             if not is_retryable(exc):
                 raise
@@ -136,30 +181,39 @@ class SplitPath:
                            "on its own", preq.request_id, type(unwrap_error(exc)).__name__)
             return None
         except BaseException:
+            reservation.release()
             call.cancel()
             raise
 
     async def prefill_then_decode(self, preq: PrefillRequest, trace: RequestTrace,
-                                  shared: tuple[ray.ObjectRef, int] | None = None,
+                                  shared: tuple[SharedPackage, int] | None = None,
                                   ) -> AsyncIterator[TokenEvent]:
         """One attempt: the prefill replica makes the KV package and the ingress keeps only
         its ObjectRef; the decode replica resolves the ref on its own node and streams the
         tokens. Short prompts (and the colocated app) are prefilled on the decode replica.
         ``shared`` (a package made for several answers, and which answer this is) skips the
-        prefill: every answer's stream reads the one object."""
+        prefill: every answer's stream reads the one object. A package that goes through
+        the object store holds its room in the KV budget until the stream ends: Ray keeps a
+        task's argument objects until the task finishes, and the decode stream is that
+        task."""
         ref: ray.ObjectRef | None = None
         prefill_call = None
+        held: Reservation | None = None  # a shared package's is released by the caller
         if shared is not None:
-            ref, choice = shared
+            package, choice = shared
+            ref = package.ref
             stream = self.decode.options(stream=True).generate.remote([ref], choice)
         elif self._prefills_locally(preq):
             stream = self.decode.options(stream=True).generate_local.remote(preq)
         else:
-            prefill_call = self.prefill.make_kv_package.remote(preq)
+            held = await self.reserve_kv(preq, trace)
             try:
+                prefill_call = self.prefill.make_kv_package.remote(preq)
                 ref = await prefill_call._to_object_ref()
             except BaseException:
-                prefill_call.cancel()  # client gone or timed out: drop the queued prompt
+                held.release()
+                if prefill_call is not None:
+                    prefill_call.cancel()  # client gone or timed out: drop the queued prompt
                 raise
             # the list keeps Ray from resolving the ref here: decode resolves it on its node
             stream = self.decode.options(stream=True).generate.remote([ref])
@@ -172,17 +226,19 @@ class SplitPath:
                     trace.attempts += 1
                     if trace.kv_locations is None and ref is not None:
                         trace.kv_locations, trace.kv_object_size = self.locate(ref)
-                    ref = None  # decode holds the package: let the object go
+                    ref = None  # decode holds the package: the ingress needs no ref
                     prefill_call = None
                     continue
                 yield item
         finally:
             stream.cancel()
+            if held is not None:
+                held.release()
             if prefill_call is not None:
                 prefill_call.cancel()  # a prompt still queued for prefill is dropped
 
     async def resumable_stream(self, preq: PrefillRequest, trace: RequestTrace,
-                               shared: tuple[ray.ObjectRef, int] | None = None,
+                               shared: tuple[SharedPackage, int] | None = None,
                                ) -> AsyncIterator[TokenEvent]:
         """The token stream of ``preq``, surviving replica and node failures and bounded in
         time.

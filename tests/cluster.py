@@ -115,3 +115,22 @@ def phase_args(**overrides) -> dict:
         "prefill_batch_wait_s": 0.002,
     }
     return _deep_merged(args, overrides)
+
+
+@contextmanager
+def cpu_hog(processes: int = 1, max_s: float = 900.0) -> Iterator[list]:
+    """Busy cores beside the cluster, as on a production machine running other work:
+    ``processes`` pure-Python spinning processes, each ending by itself after ``max_s`` and
+    killed on exit."""
+    import subprocess
+    import sys
+
+    spin = f"import time\nend = time.time() + {max_s}\nwhile time.time() < end:\n    pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(processes)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(30)

@@ -267,9 +267,9 @@ def test_n_answers_share_one_prefill_and_a_lost_answer_resumes_alone():
                                                            temperature=1.0, seed=7), n=3)
 
     async def all_answers():
-        ref = await path.shared_prefill(preq)
-        assert ref is preq
-        streams = [path.resumable_stream(choice_request(preq, k), RequestTrace(), (ref, k))
+        shared = await path.shared_prefill(preq)
+        assert shared.ref is preq
+        streams = [path.resumable_stream(choice_request(preq, k), RequestTrace(), (shared, k))
                    for k in range(3)]
         answers = []
         for stream in streams:
@@ -300,11 +300,12 @@ def test_n_answers_on_the_local_path_share_one_prefill_on_the_decode_side(coloca
     preq = PrefillRequest("req", (1, 2, 3), SamplingParams(max_tokens=4, seed=1), n=2)
 
     async def all_answers():
-        ref = await path.shared_prefill(preq)
-        assert ref is preq
+        shared = await path.shared_prefill(preq)
+        assert shared.ref is preq
         answers = []
         for k in range(2):
-            stream = path.resumable_stream(choice_request(preq, k), RequestTrace(), (ref, k))
+            stream = path.resumable_stream(choice_request(preq, k), RequestTrace(),
+                                           (shared, k))
             answers.append([e.token_id async for e in stream])
         return answers
 
