@@ -41,6 +41,10 @@ class RequestTrace:
     # waiting for room in the ingress's KV budget before prefill (decode taking packages
     # more slowly than prefill makes them: deployments.kv_budget), over all attempts
     kv_budget_wait_s: float = 0.0
+    # one entry per retry: when (s after arrival), the error, tokens delivered before it,
+    # and how long the ingress then waited for the phases to answer again (a phase that
+    # lost every replica: until a replacement has started)
+    retries: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ttft_s(self) -> float | None:
@@ -52,6 +56,9 @@ class RequestTrace:
         if self.output_tokens < 2 or self.first_token is None or self.last_token is None:
             return None
         return (self.last_token - self.first_token) / (self.output_tokens - 1)
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.received
 
     def token(self, n: int) -> None:
         """``n`` output tokens reached the ingress now."""
@@ -85,6 +92,7 @@ class RequestTrace:
             "output_tokens": self.output_tokens,
             "attempts": self.attempts,
             "kv_budget_wait_s": self.kv_budget_wait_s,
+            "retries": self.retries,
             "breakdown": self.breakdown(),
         }
         if s is not None:

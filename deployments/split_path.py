@@ -58,6 +58,20 @@ def kv_object_locations(ref: ray.ObjectRef) -> tuple[list[str], int | None]:
     return list(loc.get("node_ids", [])), loc.get("object_size")
 
 
+# Waiting for a phase to have a live replica again: each ping's limit, and the pause
+# between pings that did not all answer.
+REPLICA_PING_S = 5.0
+REPLICA_POLL_S = 0.5
+
+
+async def _answers_ping(handle: Any, timeout_s: float) -> bool:
+    try:
+        await asyncio.wait_for(handle.ping.remote(), timeout_s)
+        return True
+    except Exception:
+        return False
+
+
 def resume_request(preq: PrefillRequest, delivered: list[int], attempt: int) -> PrefillRequest:
     """The request that continues ``preq`` after ``delivered`` tokens: the prompt plus those
     tokens, sampling continuing at the same output index."""
@@ -113,18 +127,41 @@ class SplitPath:
 
     async def readiness(self, timeout_s: float) -> dict[str, bool]:
         """Ready when both phases (or the colocated server) answer a ping."""
-        async def ping(handle: Any) -> bool:
-            try:
-                await asyncio.wait_for(handle.ping.remote(), timeout_s)
-                return True
-            except Exception:
-                return False
-
         if self.prefill is None:
-            ok = await ping(self.decode)
+            ok = await _answers_ping(self.decode, timeout_s)
             return {"ready": ok, "colocated": ok}
-        prefill_ok, decode_ok = await asyncio.gather(ping(self.prefill), ping(self.decode))
+        prefill_ok, decode_ok = await asyncio.gather(_answers_ping(self.prefill, timeout_s),
+                                                     _answers_ping(self.decode, timeout_s))
         return {"ready": prefill_ok and decode_ok, "prefill": prefill_ok, "decode": decode_ok}
+
+    def _timeout(self, preq: PrefillRequest) -> RequestTimeoutError:
+        return RequestTimeoutError(
+            f"request {preq.request_id} took longer than the server's request timeout "
+            f"({self.request_timeout_s:g} s); its work was stopped")
+
+    @staticmethod
+    async def _sleep_within(seconds: float, deadline: float) -> None:
+        await asyncio.sleep(max(0.0, min(seconds, deadline - asyncio.get_running_loop().time())))
+
+    async def wait_for_replicas(self, preq: PrefillRequest, deadline: float,
+                                preq_for_errors: PrefillRequest | None = None) -> float:
+        """Wait until every phase ``preq`` needs has a replica that answers a ping, but not
+        past ``deadline`` (the loop's clock; past it: the request's 504). Returns the
+        seconds waited. While a phase has lost all its replicas, Serve's handle either
+        queues the ping or fails it on a replica that is gone; either way this asks again
+        until a replacement answers."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        phases = [self.decode] if self._prefills_locally(preq) else [self.prefill, self.decode]
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise self._timeout(preq_for_errors or preq)
+            answered = await asyncio.gather(*(_answers_ping(h, min(left, REPLICA_PING_S))
+                                              for h in phases))
+            if all(answered):
+                return loop.time() - start
+            await self._sleep_within(REPLICA_POLL_S, deadline)
 
     def _prefills_locally(self, preq: PrefillRequest) -> bool:
         return self.prefill is None or preq.num_tokens < self.local_prefill_threshold
@@ -158,9 +195,7 @@ class SplitPath:
                            await asyncio.wait_for(self.reserve_kv(preq, trace),
                                                   self.request_timeout_s))
         except asyncio.TimeoutError:
-            raise RequestTimeoutError(
-                f"request {preq.request_id} took longer than the server's request timeout "
-                f"({self.request_timeout_s:g} s); its work was stopped") from None
+            raise self._timeout(preq) from None
         call = phase.make_kv_package.remote(preq)
         try:
             ref = await asyncio.wait_for(call._to_object_ref(),
@@ -169,9 +204,7 @@ class SplitPath:
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
             reservation.release()
             call.cancel()
-            raise RequestTimeoutError(
-                f"request {preq.request_id} took longer than the server's request timeout "
-                f"({self.request_timeout_s:g} s); its work was stopped") from None
+            raise self._timeout(preq) from None
         except Exception as exc:
             reservation.release()
             call.cancel()
@@ -275,9 +308,7 @@ class SplitPath:
                     if event.finish_reason is not None:
                         return
             except (TimeoutError, asyncio.TimeoutError):  # the same class from Python 3.11
-                raise RequestTimeoutError(
-                    f"request {preq.request_id} took longer than the server's request timeout "
-                    f"({self.request_timeout_s:g} s); its work was stopped") from None
+                raise self._timeout(preq) from None
             except Exception as exc:
                 if not is_retryable(exc):
                     raise
@@ -287,10 +318,19 @@ class SplitPath:
                         f"{type(unwrap_error(exc)).__name__}") from exc
                 attempt += 1
                 self.retries += 1
+                error = type(unwrap_error(exc)).__name__
                 logger.warning("request %s: %s; retry %d/%d with %d tokens delivered",
-                               preq.request_id, type(unwrap_error(exc)).__name__, attempt,
-                               self.max_retries, len(delivered))
+                               preq.request_id, error, attempt, self.max_retries,
+                               len(delivered))
                 current = resume_request(preq, delivered, attempt)
-                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
             finally:
                 await events.aclose()
+            # only a retry gets here: back off, then wait (within the deadline) until the
+            # phases it needs answer again, so a phase that lost every replica costs the
+            # time its replacements take to start, not the retry budget
+            retry = {"at_s": round(trace.elapsed_s(), 3), "error": error,
+                     "delivered": len(delivered)}
+            trace.retries.append(retry)
+            await self._sleep_within(self.retry_backoff_s * 2 ** (attempt - 1), deadline)
+            retry["replica_wait_s"] = round(await self.wait_for_replicas(current, deadline,
+                                                                         preq), 3)

@@ -41,6 +41,9 @@ class FakeCall:
         assert self.stream is not None
         return self.stream
 
+    def __await__(self):
+        return self._to_object_ref().__await__()
+
     def cancel(self) -> None:
         self.cancelled = True
 
@@ -61,6 +64,8 @@ class FakeHandle:
         class _Method:
             @staticmethod
             def remote(*args: Any) -> FakeCall:
+                if name == "ping" and "ping" not in handle.methods:
+                    return FakeCall(value="node")  # a live replica answers (not recorded)
                 handle.calls.append((name, args))
                 return handle.methods[name](*args)
 
@@ -435,3 +440,68 @@ def test_a_resumed_stream_holds_stop_strings_off_for_the_same_tokens():
 
     assert text(None) == ("abcabx", 1)  # "ab" of tokens 0 and 2 held off, token 4's stops
     assert text(2) == ("abcabx", 2)
+
+
+class PhaseDown:
+    """A decode phase that lost every replica at ``down_at`` and gets one back after
+    ``down_for_s``: meanwhile its pings and calls fail as on a replica that is gone."""
+
+    def __init__(self, down_for_s: float | None) -> None:
+        self.down_for_s = down_for_s
+        self.down_since: float | None = None
+        self.pings = 0
+
+    def up(self) -> bool:
+        return self.down_since is None or (
+            self.down_for_s is not None
+            and time.perf_counter() - self.down_since >= self.down_for_s)
+
+    def ping(self) -> FakeCall:
+        self.pings += 1
+        return FakeCall(value="node" if self.up() else ray.exceptions.ActorDiedError())
+
+    def stream(self, preq: PrefillRequest) -> AsyncIterator[Any]:
+        async def gen():
+            if not self.up():
+                raise ray.exceptions.ActorDiedError()
+            async for item in token_stream(preq):
+                if isinstance(item, TokenEvent) and item.index == 3 \
+                        and self.down_since is None:
+                    self.down_since = time.perf_counter()  # the whole phase dies mid-stream
+                    raise ray.exceptions.ActorDiedError()
+                yield item
+        return gen()
+
+
+def phase_down_path(phase: PhaseDown, **kw: Any) -> tuple[SplitPath, FakeHandle]:
+    prefill = FakeHandle(make_kv_package=lambda preq: FakeCall(value=preq))
+    decode = FakeHandle(generate=lambda wrapped: FakeCall(stream=phase.stream(wrapped[0])),
+                        ping=phase.ping)
+    return split_path(prefill, decode, **kw), prefill
+
+
+def test_a_phase_that_lost_every_replica_is_waited_for_without_spending_retries():
+    """Every decode replica dies mid-stream; replacements answer 0.6 s later. The request
+    waits for them (one retry, not the whole budget), resumes with nothing missing or
+    repeated, and its trace says what it waited for."""
+    phase = PhaseDown(down_for_s=0.6)
+    path, prefill = phase_down_path(phase, max_retries=1, retry_backoff_s=0.01)
+    trace = RequestTrace()
+    out = run(path, request(), trace)
+    assert [e.token_id for e in out] == TOKENS
+    assert path.retries == 1 and len(prefill.calls) == 2 and phase.pings > 1
+    [retry] = trace.retries
+    assert retry["error"] == "ActorDiedError" and retry["delivered"] == 3
+    assert 0.4 <= retry["replica_wait_s"] < 10
+    assert trace.as_dict()["retries"] == [retry]
+
+
+def test_a_phase_that_never_comes_back_ends_the_request_at_its_deadline():
+    """No replacement within the deadline: the client gets the timeout (504) at the
+    deadline set when the request arrived (retries do not extend it)."""
+    phase = PhaseDown(down_for_s=None)
+    path, _ = phase_down_path(phase, request_timeout_s=1.0, retry_backoff_s=0.01)
+    t = time.perf_counter()
+    with pytest.raises(RequestTimeoutError):
+        run(path, request())
+    assert 0.9 <= time.perf_counter() - t < 3.0
