@@ -541,25 +541,23 @@ def test_chaos_kills_lose_no_request(url, engine):
                     wrong.append(errors)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
-    hog = cpu_hog(processes=1, max_s=600)
-    hog.__enter__()
-    for t in threads:
-        t.start()
-    rng = random.Random(7)
-    try:
-        for _ in range(3):
-            time.sleep(8)
-            # a replica restart loads the model: minutes on a slow, busy machine
-            wait_for(lambda: all(running_replicas(d) == 2
-                                 for d in ("DecodeServer", "PrefillServer")), 240,
-                     "killed replicas never came back")
-            kill(rng.choice(replicas("DecodeServer") + replicas("PrefillServer")))
-        time.sleep(10)  # requests in flight during the last kill finish under load
-    finally:
-        done.set()
+    with cpu_hog(processes=1, max_s=600):
         for t in threads:
-            t.join(240)
-        hog.__exit__(None, None, None)
+            t.start()
+        rng = random.Random(7)
+        try:
+            for _ in range(3):
+                time.sleep(8)
+                # a replica restart loads the model: minutes on a slow, busy machine
+                wait_for(lambda: all(running_replicas(d) == 2
+                                     for d in ("DecodeServer", "PrefillServer")), 240,
+                         "killed replicas never came back")
+                kill(rng.choice(replicas("DecodeServer") + replicas("PrefillServer")))
+            time.sleep(10)  # requests in flight during the last kill finish under load
+        finally:
+            done.set()
+            for t in threads:
+                t.join(240)
     print(f"chaos: started={started} completed={completed} failed={failed} (CPU hog)")
     assert started >= 6
     assert failed == 0, wrong
