@@ -15,8 +15,13 @@ uninitialized memory).
 Grouped-query attention needs no repeated KV: the query heads that share a KV head become
 that head's query positions (``[rows, kv_heads, group, head_dim]``).
 
+A mixed pass (:class:`MixedStep`, the colocated engine's mixed batching) is one sequence of
+tokens: the decode rows' tokens attend as above, then each prompt chunk attends its own
+earlier positions and itself with the model's SDPA, as a prefill pass attends it.
+
 Registered with transformers as the attention implementation ``splitserve_paged``: any pass
-without a :class:`PagedDecodeStep` (prefill, ``generate()``) runs the model's SDPA unchanged.
+without a :class:`PagedDecodeStep` or :class:`MixedStep` (prefill, ``generate()``) runs the
+model's SDPA unchanged.
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ from ray import serve
 
 from app.chat import PromptBuilder
 from app.config import EngineConfig
+from app.decode import DecodeLoop
 from app.engine_core import EngineCore
 from app.errors import ReplicaUnhealthyError
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest, StreamStart
 from app.model_loader import load_tokenizer
-from app.decode import DecodeLoop
 from app.prefill import ChunkPlan, PrefillJob
 from deployments.args import AppArgs
 from deployments.metrics import DecodeMetrics, PrefillMetrics

@@ -34,7 +34,7 @@ import torch
 from app.config import DEFAULT_MODEL, EngineConfig
 from app.engine_core import EngineCore
 from app.messages import PrefillRequest
-from app.prefill import ChunkPlan, PrefillJob, Prefiller
+from app.prefill import ChunkPlan, Prefiller, PrefillJob
 from app.sampling import SamplingParams
 from load_tests.decode_bench import CONTEXT, Batch
 
