@@ -221,9 +221,10 @@ def _mixed_attention(module, query, step: MixedStep, scaling, dropout, kwargs):
         out = _decode_attention(q, decode_kv[0], decode_kv[1], step.decode, scaling)
         outs.append(out.reshape(1, rows, heads, head_dim))
     start = rows
-    for (k, v), n, mask in zip(chunk_kv, step.chunk_lens, step.masks, strict=True):
+    for i, ((k, v), n) in enumerate(zip(chunk_kv, step.chunk_lens, strict=True)):
+        mask = step.masks[i]
         if mask is not None and mask.device != query.device:
-            mask = mask.to(query.device)
+            mask = step.masks[i] = mask.to(query.device)  # moved once per device change
         out, _ = sdpa_attention_forward(module, query[:, :, start : start + n], k, v, mask,
                                         scaling=scaling, dropout=dropout, **kwargs)
         outs.append(out)  # [1, n, heads, hd]

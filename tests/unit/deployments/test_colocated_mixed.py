@@ -193,3 +193,27 @@ async def test_with_nothing_decoding_prompts_get_plain_prefill_passes(make_serve
                                   for i in range(2)))
     assert all(p.seq_len == 40 for p in pkgs)
     assert {k for k, _ in log} == {"prefill"} and server.batcher.mixed_passes == 0
+
+
+async def test_a_failing_mixed_step_fails_its_prompts_and_streams_and_the_app_goes_on(
+        make_server, tiny_model):
+    server = make_server(prefix_cache_mb=0)
+    runner = server.core.runner
+    real_mixed = runner.forward_mixed
+
+    def broken(*args):
+        raise RuntimeError("mixed pass broke")
+
+    runner.forward_mixed = broken
+    decoding = asyncio.Event()
+    stream = asyncio.create_task(_run(server, _greedy("s", _ids(10, 1), 40), decoding, 1))
+    await asyncio.wait_for(decoding.wait(), 60)
+    with pytest.raises(RuntimeError, match="mixed pass broke"):
+        await asyncio.wait_for(server.make_kv_package(_greedy("doc", _ids(40, 2), 3)), 60)
+    assert (await stream)["tokens"][-1] is None  # the stream ended with an error event
+    runner.forward_mixed = real_mixed
+    doc = _ids(40, 3)
+    out = await asyncio.wait_for(_run(server, _greedy("after", doc, 3)), 60)
+    await server.loop.close()
+    assert out["tokens"] == hf_greedy(tiny_model, doc, 3)
+    assert server.batcher.jobs == [] and server.batcher.waiting_requests == 0
