@@ -17,7 +17,7 @@ compute, less sensitive to other work on a shared machine).
 
 Rounds interleave the two schedules, so a busy spell of a shared machine hits both alike.
 
-    python -m load_tests.mixed_bench [--threads 1] [--rounds 3] [--json out.json]
+    python -m load_tests.mixed_bench [--threads 1] [--rounds 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from load_tests.decode_bench import CONTEXT, Batch
 CHUNK = 256
 PROMPT = 1024
 ROWS = 8
+PASS_REPEATS = 3  # one-pass-against-two samples per round
 DOC_SAMPLING = SamplingParams(max_tokens=16, temperature=0.0)
 
 
@@ -107,8 +108,9 @@ def measure(threads: int, rounds: int) -> dict[str, dict[str, float]]:
     one_pass_vs_two(batch, prefiller, seed=0)  # warm both paths
     rows: dict[str, dict[str, list[float]]] = {"passes": {}, "separate": {}, "mixed": {}}
     for r in range(rounds):
-        for key, value in one_pass_vs_two(batch, prefiller, seed=10 + r).items():
-            rows["passes"].setdefault(key, []).append(value)
+        for i in range(PASS_REPEATS):
+            for key, value in one_pass_vs_two(batch, prefiller, seed=100 * r + i).items():
+                rows["passes"].setdefault(key, []).append(value)
         for name in ("separate", "mixed"):
             figures = streams_during_prefill(batch, prefiller, name == "mixed", seed=20 + r)
             for key, value in figures.items():
@@ -125,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     results = measure(args.threads, args.rounds)
     print(f"mixed batching, {args.threads} thread(s), {ROWS} streams of {CONTEXT}-token "
-          f"contexts, {CHUNK}-token chunks (medians of {args.rounds} rounds)")
+          f"contexts, {CHUNK}-token chunks (medians of {args.rounds} rounds; the passes "
+          f"{PASS_REPEATS} times a round)")
     for key, value in results["passes"].items():
         print(f"  {key:<26}{value:>10.2f}")
     print(f"8 streams while a {PROMPT}-token prompt is prefilled")
