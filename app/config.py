@@ -73,6 +73,11 @@ class EngineConfig:
     prefill_chunk_tokens: int = 256
     # a prompt that has waited this long leads every other prefill pass
     prefill_fairness_s: float = 5.0
+    # where one engine both prefills and decodes (the colocated app): while sequences are
+    # decoding, prompt chunks ride in the decode steps, one forward pass for both under the
+    # prefill pass budget (min(prefill_token_budget, prefill_chunk_tokens) tokens, decode rows
+    # included); False: separate prefill passes between the steps
+    mixed_batch: bool = True
     # KV of recent prompt prefixes kept by a prefill engine (app.prefix_cache); 0: off
     prefix_cache_mb: int = 512
     cache_dir: str | None = None

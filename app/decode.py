@@ -11,6 +11,12 @@ preempted; blocks themselves are taken only as the sequence fills them.
 
 ``DecodeLoop`` wraps it for asyncio: ``generate(package)`` is an async iterator of tokens, the
 steps run in a worker thread, and adds/cancels are applied only between steps.
+
+Mixed batching (the colocated engine, ``mixed_batch``): a loop given a ``prefill_source``
+takes that source's next prompt chunks into every step it runs (``Decoder.step(plan)``, one
+forward pass for the decode rows and the chunks), so a running stream waits one pass per
+token, never a separate prefill pass; when it has nothing to step, the source prefills on its
+own.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from app.errors import QueueFullError
 from app.kv_cache import DEFAULT_BLOCK_SIZE, BlockAllocator
@@ -31,7 +38,25 @@ from app.model_runner import ModelRunner
 from app.sampling import sample_tokens, token_logprobs
 from app.sequence import Sequence, SequenceStatus
 
+if TYPE_CHECKING:
+    from app.prefill import ChunkPlan
+
 logger = logging.getLogger(__name__)
+
+
+class PrefillSource(Protocol):
+    """Prompts waiting for prefill on the decode loop's own engine (mixed batching: the
+    colocated app's ``deployments.replica.PrefillQueue``). Called on the event loop, between
+    steps."""
+
+    def take_chunks(self, decode_rows: int) -> ChunkPlan | None:
+        """The chunks that join the next step, of about ``decode_rows`` rows; None: none."""
+
+    def chunks_done(self, plan: ChunkPlan, error: BaseException | None) -> None:
+        """The step that carried ``plan`` ended (its packages in ``plan.packages``)."""
+
+    def decode_idle(self) -> None:
+        """The loop has nothing left to step: the source prefills on its own again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +91,7 @@ class Decoder:
         self.running: list[Sequence] = []
         self.reserved_blocks = 0  # sum of the running sequences' reservations
         self.steps = 0
+        self.mixed_steps = 0  # passes that carried prompt chunks (ChunkPlan) too
         self._rejected: list[Sequence] = []
 
     # -- admission ------------------------------------------------------------------------
@@ -130,20 +156,34 @@ class Decoder:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def step(self) -> list[Sequence]:
+    def step(self, prefill: ChunkPlan | None = None) -> list[Sequence]:
         """Admit, run one forward pass, sample. Returns the sequences that got a token
-        (or finished without one) this step; their last token and status tell what happened."""
+        (or finished without one) this step; their last token and status tell what happened.
+
+        ``prefill``: prompt chunks that share this step's pass (mixed batching,
+        ``ModelRunner.forward_mixed``); the plan is completed (its rows advance, its finished
+        prompts get their packages) before this returns."""
         self._admit()
         rejected, self._rejected = self._rejected, []
-        if not self.running:
+        if not self.running and prefill is None:
             return rejected
         batch = list(self.running)
         for seq in batch:
             self._grow(seq)
-        logits = self.runner.decode(
-            self.cache, [s.blocks for s in batch], [s.last_token for s in batch],
-            [s.kv_len for s in batch],
-        )  # [B, V]
+        tables = [s.blocks for s in batch]
+        tokens_in = [s.last_token for s in batch]
+        positions = [s.kv_len for s in batch]
+        if prefill is None:
+            logits = self.runner.decode(self.cache, tables, tokens_in, positions)  # [B, V]
+        else:
+            start = time.perf_counter()
+            chunks, past = prefill.inputs()
+            logits, chunk_logits, kvs = self.runner.forward_mixed(
+                self.cache, tables, tokens_in, positions, chunks, past)
+            prefill.complete(chunk_logits, kvs, start)
+            self.mixed_steps += 1
+        if not batch:
+            return rejected
         params = [s.sampling for s in batch]
         tokens = sample_tokens(
             logits,
@@ -213,6 +253,13 @@ class DecodeLoop:
         self.last_step_at = time.monotonic()
         self.step_started_at: float | None = None  # monotonic start of the running step
         self.step_times: deque[float] = deque(maxlen=256)
+        # mixed batching: prompts whose chunks ride in this loop's steps (None: off)
+        self.prefill_source: PrefillSource | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Sequences to step: running, waiting, or handed over and not yet applied."""
+        return bool(self._pending_adds or self.decoder.has_work)
 
     @property
     def num_active(self) -> int:
@@ -295,27 +342,52 @@ class DecodeLoop:
         for rid in cancels:
             self.decoder.cancel(rid)
 
+    def _take_chunks(self) -> ChunkPlan | None:
+        """Mixed batching: the prompt chunks that join the next step."""
+        if self.prefill_source is None or not self.decoder.has_work:
+            return None
+        dec = self.decoder
+        rows = min(dec.max_batch_size, len(dec.running) + len(dec.waiting))
+        try:
+            return self.prefill_source.take_chunks(rows)
+        except Exception:  # the source's own failure must not stop the streams
+            logger.exception("planning the prompt chunks of a decode step failed")
+            return None
+
+    def _chunks_done(self, plan: ChunkPlan | None, error: BaseException | None) -> None:
+        if plan is None or self.prefill_source is None:
+            return
+        try:
+            self.prefill_source.chunks_done(plan, error)
+        except Exception:
+            logger.exception("handing back the prompt chunks of a decode step failed")
+
     async def _run(self) -> None:
         assert self._wakeup is not None
         while True:
             if not (self._pending_adds or self._pending_cancels or self.decoder.has_work):
+                if self.prefill_source is not None:
+                    self.prefill_source.decode_idle()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             start = time.perf_counter()
             self._apply_pending()  # on the loop thread, while no step runs
+            plan = self._take_chunks()
             self.step_started_at = time.monotonic()
             try:
                 touched = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self.decoder.step)
+                    self.executor, self.decoder.step, plan)
             except Exception as exc:  # a failed step must not strand any stream
                 logger.exception("decode step failed")
+                self._chunks_done(plan, exc)
                 for seq in self.decoder.fail_all():
                     self._deliver(TokenEvent(seq.request_id, None, seq.next_step,
                                              FinishReason.ERROR, error=str(exc)))
                 continue
             finally:
                 self.step_started_at = None
+            self._chunks_done(plan, None)
             elapsed = time.perf_counter() - start
             self.last_step_at = time.monotonic()
             if touched:

@@ -8,6 +8,10 @@ norm, LM head) so the arithmetic is the model's, while KV storage is the runner'
 * ``decode``: one token for each running sequence, over the paged KV pool
   (``app.kv_cache``): each new key/value is written into its sequence's next slot and each
   row attends only its own blocks (``app.paged_attention``).
+* ``forward_mixed``: both in one pass (the colocated engine's mixed batch): the decode rows'
+  tokens and prompt chunks as one sequence of tokens, so every weight is read once for all
+  of them; each decode row attends its blocks as in ``decode``, each chunk its own earlier
+  positions and itself as in ``forward_prefill``, whose KV it returns the same way.
 
 A model spread over several GPUs (``device_map``) keeps each layer's KV on that layer's GPU:
 the pool is one tensor per run of consecutive layers on one device, so the decode hot path
@@ -27,7 +31,13 @@ from app.config import EngineConfig, dtype_name
 from app.kv_cache import PagedKVCache, layer_spans
 from app.kv_package import KVLayout
 from app.model_loader import ModelShape, check_architecture
-from app.paged_attention import PAGED_ATTENTION, PagedCacheView, PagedDecodeStep
+from app.paged_attention import (
+    PAGED_ATTENTION,
+    MixedCacheView,
+    MixedStep,
+    PagedCacheView,
+    PagedDecodeStep,
+)
 
 
 class _PrefillCollector:
@@ -232,3 +242,62 @@ class ModelRunner:
             hidden = self._layers_forward(hidden, pos, None, PagedCacheView(cache, step),
                                           paged_step=step)
             return self._logits(hidden[:, -1])
+
+    @torch.inference_mode()
+    def forward_mixed(self, cache: PagedKVCache, tables: list[list[int]], token_ids: list[int],
+                      positions: list[int], chunks: list[list[int]],
+                      past: list[torch.Tensor | None] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """A decode step and prompt chunks in one forward pass.
+
+        The decode rows are those of :meth:`decode` (``tables``, ``token_ids``,
+        ``positions``; none is allowed), the chunks and ``past`` those of
+        :meth:`forward_prefill`. All tokens go through the model as one ``[1, T]`` sequence
+        (decode rows first, then each chunk), so each linear layer runs once over every
+        token; only attention is per group (``app.paged_attention.MixedStep``).
+
+        Returns the decode rows' logits [B, V], each chunk's logits at its last token
+        [C, V] (float32) and each chunk's KV ``[layers, 2, kv_heads, len_i, head_dim]``
+        (contiguous, KV dtype, on ``kv_device``), as :meth:`forward_prefill` returns them.
+        """
+        bsz = len(token_ids)
+        assert len(positions) == bsz == len(tables) and chunks and all(chunks)
+        for table, pos in zip(tables, positions, strict=True):
+            assert pos < len(table) * cache.block_size, f"position {pos} has no block"
+        past = past or [None] * len(chunks)
+        lens = [len(c) for c in chunks]
+        starts = [0 if p is None else p.shape[3] for p in past]
+        ids = list(token_ids) + [t for c in chunks for t in c]
+        pos = list(positions) + [s + i for s, n in zip(starts, lens, strict=True)
+                                 for i in range(n)]
+        ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, T]
+        pos_t = torch.tensor([pos], dtype=torch.long, device=self.device)
+        step = MixedStep.build(cache, tables, positions, lens, starts)
+        # each chunk's past per layer, in the model's dtype on the layer's device
+        layer_past = [
+            None if kv is None else [
+                (kv[li, 0][None].to(dev, self.dtype), kv[li, 1][None].to(dev, self.dtype))
+                for li, dev in enumerate(self.layer_devices)]
+            for kv in past]
+        view = MixedCacheView(cache, step, layer_past)
+        ends = torch.tensor(lens).cumsum(0) + bsz - 1
+        rows = torch.cat([torch.arange(bsz), ends])
+        with self.lock:
+            hidden = self.embed_tokens(ids_t)  # [1, T, H]
+            hidden = self._layers_forward(hidden, pos_t, None, view, mixed_step=step)
+            logits = self._logits(hidden[0, rows.to(hidden.device)])  # [B + C, V]
+            kvs = []
+            lay = self.layout
+            start = 0
+            for n in lens:
+                kv = torch.empty(
+                    (lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim),
+                    dtype=self.kv_dtype,
+                    device=self.kv_device,
+                )
+                for layer_idx in range(lay.num_layers):
+                    kv[layer_idx, 0] = view.keys[layer_idx][0, :, start : start + n]
+                    kv[layer_idx, 1] = view.values[layer_idx][0, :, start : start + n]
+                kvs.append(kv)
+                start += n
+        return logits[:bsz], logits[bsz:], kvs

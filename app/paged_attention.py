@@ -15,8 +15,13 @@ uninitialized memory).
 Grouped-query attention needs no repeated KV: the query heads that share a KV head become
 that head's query positions (``[rows, kv_heads, group, head_dim]``).
 
+A mixed pass (:class:`MixedStep`, the colocated engine's mixed batching) is one sequence of
+tokens: the decode rows' tokens attend as above, then each prompt chunk attends its own
+earlier positions and itself with the model's SDPA, as a prefill pass attends it.
+
 Registered with transformers as the attention implementation ``splitserve_paged``: any pass
-without a :class:`PagedDecodeStep` (prefill, ``generate()``) runs the model's SDPA unchanged.
+without a :class:`PagedDecodeStep` or :class:`MixedStep` (prefill, ``generate()``) runs the
+model's SDPA unchanged.
 """
 
 from __future__ import annotations
@@ -99,18 +104,91 @@ class PagedCacheView:
         return layer[0].index_select(0, read), layer[1].index_select(0, read)
 
 
-def paged_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
-                    paged_step: PagedDecodeStep | None = None, **kwargs):
-    """The model's SDPA attention, except in a decode step given a :class:`PagedDecodeStep`."""
-    if paged_step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      scaling=scaling, dropout=dropout, **kwargs)
+@dataclass(slots=True)
+class MixedStep:
+    """What every layer of one mixed pass shares: the pass is one sequence of tokens, first
+    one token for each of ``rows`` decode rows (``decode``: their paged step), then prompt
+    chunks of ``chunk_lens`` tokens, chunk ``i`` at positions ``past_lens[i]..``."""
+
+    rows: int
+    decode: PagedDecodeStep | None
+    chunk_lens: list[int]
+    past_lens: list[int]
+    # per chunk: None (no past: causal) or [1, 1, n, past + n] bool, query q sees past + q
+    masks: list[torch.Tensor | None]
+    # the layer in progress: (decode keys, values) gathered from the pool, and per chunk its
+    # (keys, values) over past + chunk; set by MixedCacheView.update, read by the attention
+    current: tuple | None = None
+
+    @classmethod
+    def build(cls, cache: PagedKVCache, tables: list[list[int]], positions: list[int],
+              chunk_lens: list[int], past_lens: list[int]) -> MixedStep:
+        masks: list[torch.Tensor | None] = []
+        for n, p in zip(chunk_lens, past_lens, strict=True):
+            if p == 0:
+                masks.append(None)
+            else:
+                q = torch.arange(n)[:, None]
+                k = torch.arange(p + n)[None, :]
+                masks.append((k <= p + q)[None, None])
+        return cls(
+            rows=len(tables),
+            decode=PagedDecodeStep.build(cache, tables, positions) if tables else None,
+            chunk_lens=chunk_lens, past_lens=past_lens, masks=masks)
+
+
+class MixedCacheView:
+    """The cache a mixed pass hands the model's layers. ``update`` gets the pass's keys and
+    values ``[1, kv_heads, T, head_dim]``: the decode rows' are written into their slots and
+    their blocks gathered (as :class:`PagedCacheView`), the chunks' are kept (``keys``,
+    ``values``: per layer, the chunks' part, as a prefill pass keeps them) and joined after
+    each chunk's past (per chunk, per layer (keys, values) ``[1, kv_heads, P, head_dim]``)."""
+
+    def __init__(self, cache: PagedKVCache, step: MixedStep,
+                 past: list[list[tuple[torch.Tensor, torch.Tensor]] | None]) -> None:
+        self.layers = cache.layers
+        self.step = step
+        self.past = past
+        self.keys: list[torch.Tensor | None] = [None] * len(cache.layers)
+        self.values: list[torch.Tensor | None] = [None] * len(cache.layers)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        step, rows = self.step, self.step.rows
+        decode_kv = None
+        if rows:
+            assert step.decode is not None
+            layer = self.layers[layer_idx]  # [2, slots, kv_heads, head_dim]
+            write = step.decode.write_slots[layer.device]
+            layer[0, write] = key_states[0, :, :rows].transpose(0, 1).to(layer.dtype)
+            layer[1, write] = value_states[0, :, :rows].transpose(0, 1).to(layer.dtype)
+            read = step.decode.read_slots[layer.device]
+            decode_kv = (layer[0].index_select(0, read), layer[1].index_select(0, read))
+        new_k, new_v = key_states[:, :, rows:], value_states[:, :, rows:]
+        self.keys[layer_idx], self.values[layer_idx] = new_k, new_v
+        chunk_kv = []
+        start = 0
+        for i, n in enumerate(step.chunk_lens):
+            k, v = new_k[:, :, start : start + n], new_v[:, :, start : start + n]
+            past = self.past[i]
+            if past is not None:
+                past_k, past_v = past[layer_idx]
+                k = torch.cat([past_k.to(k), k], dim=2)
+                v = torch.cat([past_v.to(v), v], dim=2)
+            chunk_kv.append((k, v))
+            start += n
+        step.current = (decode_kv, chunk_kv)
+        return key_states, value_states
+
+
+def _decode_attention(query, key, value, step: PagedDecodeStep, scaling):
+    """Decode rows over their gathered keys/values: ``query`` [B, heads, 1, hd] -> the
+    attention output [B, 1, heads, hd]."""
     bsz, heads, q_len, head_dim = query.shape
-    assert q_len == 1 and bsz == paged_step.rows, "paged attention is for decode steps"
+    assert q_len == 1 and bsz == step.rows, "paged attention is for decode steps"
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    mask = paged_step.mask[query.device]
-    if paged_step.exact:
+    mask = step.mask[query.device]
+    if step.exact:
         # key, value: [T, kv_heads, hd]; every row's queries over all T positions, a row's
         # mask row keeping only its own
         q = query.reshape(bsz, kv_heads, group, head_dim).transpose(0, 1)
@@ -119,13 +197,52 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling=None, 
             q, key.transpose(0, 1)[None], value.transpose(0, 1)[None],
             attn_mask=mask.repeat_interleave(group, 0), scale=scaling)  # [1, kvh, B*g, hd]
         out = out.reshape(kv_heads, bsz, group, head_dim).transpose(0, 1)
-        return out.reshape(bsz, 1, heads, head_dim), None  # [B, 1, heads, hd]
+        return out.reshape(bsz, 1, heads, head_dim)  # [B, 1, heads, hd]
     # key, value: [B * longest, kv_heads, hd]
     k = key.view(bsz, -1, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, longest, hd]
     v = value.view(bsz, -1, kv_heads, head_dim).transpose(1, 2)
     q = query.reshape(bsz, kv_heads, group, head_dim)  # [B, kv_heads, group, hd]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    return out.reshape(bsz, 1, heads, head_dim), None  # [B, 1, heads, hd]
+    return out.reshape(bsz, 1, heads, head_dim)  # [B, 1, heads, hd]
+
+
+def _mixed_attention(module, query, step: MixedStep, scaling, dropout, kwargs):
+    """A mixed pass's attention, ``query`` [1, heads, T, hd]: the decode rows (the first
+    ``step.rows`` tokens) over the paged pool, then each prompt chunk causally over its own
+    earlier positions and itself, exactly as a prefill pass attends it."""
+    assert step.current is not None, "the cache view runs before the attention"
+    decode_kv, chunk_kv = step.current
+    step.current = None
+    _, heads, _, head_dim = query.shape
+    rows = step.rows
+    outs = []
+    if rows:
+        q = query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, hd]
+        out = _decode_attention(q, decode_kv[0], decode_kv[1], step.decode, scaling)
+        outs.append(out.reshape(1, rows, heads, head_dim))
+    start = rows
+    for i, ((k, v), n) in enumerate(zip(chunk_kv, step.chunk_lens, strict=True)):
+        mask = step.masks[i]
+        if mask is not None and mask.device != query.device:
+            mask = step.masks[i] = mask.to(query.device)  # moved once per device change
+        out, _ = sdpa_attention_forward(module, query[:, :, start : start + n], k, v, mask,
+                                        scaling=scaling, dropout=dropout, **kwargs)
+        outs.append(out)  # [1, n, heads, hd]
+        start += n
+    return torch.cat(outs, dim=1), None  # [1, T, heads, hd]
+
+
+def paged_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
+                    paged_step: PagedDecodeStep | None = None,
+                    mixed_step: MixedStep | None = None, **kwargs):
+    """The model's SDPA attention, except in a decode step given a :class:`PagedDecodeStep`
+    and in a mixed pass given a :class:`MixedStep`."""
+    if mixed_step is not None:
+        return _mixed_attention(module, query, mixed_step, scaling, dropout, kwargs)
+    if paged_step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    return _decode_attention(query, key, value, paged_step, scaling), None
 
 
 AttentionInterface.register(PAGED_ATTENTION, paged_attention)

@@ -21,6 +21,12 @@ Which prompts share a pass (``Prefiller.plan_pass``):
 ``make_packages`` runs a list of prompts to completion (tests, benchmarks, the local
 engine); a server drives ``new_job`` / ``plan_pass`` / ``run_pass`` itself so that prompts
 arriving between passes join the queue (``deployments.replica.PrefillQueue``).
+
+Mixed batching (``mixed_batch``, the colocated engine): while sequences are decoding,
+``plan_chunks`` picks the chunks that ride along in the next decode step
+(``Decoder.step``, ``ModelRunner.forward_mixed``) instead of a pass of their own, the pass's
+tokens decode rows included within the same budget, and ``complete`` finishes them exactly as
+``run_pass`` does.
 """
 
 from __future__ import annotations
@@ -63,6 +69,38 @@ class PrefillJob:
         if len(self.parts) > 1:
             self.parts = [torch.cat(self.parts, dim=3)]
         return self.parts[0] if self.parts else None
+
+
+@dataclass(eq=False)
+class ChunkPlan:
+    """The prompt part of a mixed pass (``Prefiller.plan_chunks``): the next ``sizes[i]``
+    tokens of each job in ``rows``. The decode step that runs it (``Decoder.step``) reads
+    its ``inputs`` and hands back the pass's chunk logits and KV (``complete``), after
+    which ``packages`` holds one package per row whose prompt the pass finished."""
+
+    prefiller: Prefiller
+    rows: list[PrefillJob]
+    sizes: list[int]
+    packages: list[KVPackage | None] = field(default_factory=list)
+    before: list[int] = field(default_factory=list)  # each row's remaining tokens, planned
+    elapsed: float = 0.0  # seconds of the pass that computed it
+
+    def __post_init__(self) -> None:
+        self.before = [j.remaining for j in self.rows]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.sizes)
+
+    def inputs(self) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Each row's chunk (token ids) and the KV of its positions before it (or None)."""
+        chunks = [list(j.req.prompt_token_ids[j.done : j.done + n])
+                  for j, n in zip(self.rows, self.sizes, strict=True)]
+        return chunks, [j.kv() for j in self.rows]
+
+    def complete(self, logits: torch.Tensor, kvs: list[torch.Tensor], start: float) -> None:
+        self.packages = self.prefiller.complete(self.rows, self.sizes, logits, kvs, start)
+        self.elapsed = time.perf_counter() - start
 
 
 class Prefiller:
@@ -118,8 +156,10 @@ class Prefiller:
     def chunk_of(self, job: PrefillJob) -> int:
         return min(job.remaining, self.chunk_tokens)
 
-    def plan_pass(self, jobs: list[PrefillJob], now: float | None = None) -> list[PrefillJob]:
-        """The jobs that share the next pass (each computes its next chunk); [] if none."""
+    def _order(self, jobs: list[PrefillJob], now: float | None) -> list[PrefillJob]:
+        """The live jobs in the order they get into a pass: the head (the longest-waiting
+        prompt past the fairness bound every other pass, else the shortest remaining), then
+        shortest remaining first."""
         live = [j for j in jobs if not j.cancelled and j.remaining > 0]
         if not live:
             return []
@@ -132,13 +172,47 @@ class Prefiller:
         else:
             head = by_remaining[0]
             self._led_by_waiting = False
-        rows = [head]
-        for job in by_remaining:
+        return [head, *(j for j in by_remaining if j is not head)]
+
+    def plan_pass(self, jobs: list[PrefillJob], now: float | None = None) -> list[PrefillJob]:
+        """The jobs that share the next pass (each computes its next chunk); [] if none."""
+        order = self._order(jobs, now)
+        if not order:
+            return []
+        rows = [order[0]]
+        for job in order[1:]:
             if len(rows) >= self.max_rows:
                 break
-            if job is not head and self._fits([*rows, job]):
+            if self._fits([*rows, job]):
                 rows.append(job)
         return rows
+
+    def plan_chunks(self, jobs: list[PrefillJob], decode_rows: int,
+                    now: float | None = None) -> ChunkPlan | None:
+        """The prompt chunks that join a decode step of ``decode_rows`` rows in one mixed
+        pass (``ModelRunner.forward_mixed``); None if no job has tokens left.
+
+        The pass computes at most ``min(prefill_token_budget, prefill_chunk_tokens)``
+        tokens, decode rows included, but its chunks always get at least a quarter of that,
+        so a full decode batch never starves the prompts. Jobs come in ``plan_pass``'s order
+        (fairness, then shortest remaining first), each taking up to
+        ``prefill_chunk_tokens`` of what is left; chunks are laid end to end, not padded,
+        so rows of any lengths share the pass."""
+        order = self._order(jobs, now)
+        if not order:
+            return None
+        budget = min(self.token_budget, self.chunk_tokens)
+        left = max(budget - decode_rows, budget // 4, 1)
+        rows: list[PrefillJob] = []
+        sizes: list[int] = []
+        for job in order:
+            if left <= 0 or len(rows) >= self.max_rows:
+                break
+            n = min(self.chunk_of(job), left)
+            rows.append(job)
+            sizes.append(n)
+            left -= n
+        return ChunkPlan(self, rows, sizes)
 
     def _fits(self, rows: list[PrefillJob]) -> bool:
         chunks = [self.chunk_of(j) for j in rows]
@@ -160,9 +234,18 @@ class Prefiller:
         past = [j.kv() for j in rows]
         logits, kvs = self.runner.forward_prefill(
             chunks, past if any(p is not None for p in past) else None)
-        for job, chunk, kv in zip(rows, chunks, kvs, strict=True):
+        return self.complete(rows, [len(c) for c in chunks], logits, kvs, start)
+
+    def complete(self, rows: list[PrefillJob], sizes: list[int], logits: torch.Tensor,
+                 kvs: list[torch.Tensor], start: float) -> list[KVPackage | None]:
+        """After a pass computed ``sizes[i]`` more tokens of each row (``logits`` at each
+        chunk's last token, ``kvs`` each chunk's KV; ``start``: the pass's
+        ``perf_counter``): the rows advance, and each row whose prompt this finished gets
+        its first token(s) and its package (None for the others)."""
+        for job, n, kv in zip(rows, sizes, kvs, strict=True):
+            assert kv.shape[3] == n
             job.parts.append(kv)
-            job.done += len(chunk)
+            job.done += n
             job.passes += 1
         finished = [i for i, j in enumerate(rows) if j.remaining == 0]
         # one draw per answer (n > 1: answer k with its own seed) from the row's last logits

@@ -231,7 +231,8 @@ class AppArgs(BaseModel):
         default_factory=EngineConfig, description="The engine every phase runs "
         "(app.config.EngineConfig: model, dtype, kv_dtype, device, device_map, "
         "max_model_len, max_batch_size, max_kv_tokens, max_waiting, prefill_token_budget, "
-        "prefill_max_batch_size, cache_dir). Threads and GPUs are set per phase.")
+        "prefill_max_batch_size, prefill_chunk_tokens, mixed_batch, cache_dir). Threads and "
+        "GPUs are set per phase.")
     served_model_name: str | None = Field(
         None, description="Name clients put in 'model'; default: engine.model.")
     prefill: PrefillPhaseArgs = Field(default_factory=PrefillPhaseArgs,
@@ -240,8 +241,9 @@ class AppArgs(BaseModel):
                                     description="Decode phase.")
     colocated: PhaseArgs | None = Field(
         None, description="Set: the colocated baseline. One deployment on this placement "
-        "runs both phases on the same cores, prefilling new prompts between its decode "
-        "steps; prefill and decode are then unused, the engine is the same.")
+        "runs both phases on the same cores (with engine.mixed_batch, the default, new "
+        "prompts' chunks ride in its decode steps; otherwise they are passes between "
+        "them); prefill and decode are then unused, the engine is the same.")
     ingress: IngressArgs = Field(default_factory=IngressArgs, description="HTTP/handle ingress.")
     prefill_batch_wait_s: float = Field(
         0.005, ge=0, le=1.0, description="Prefill: how long a batch waits to fill.")

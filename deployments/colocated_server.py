@@ -1,11 +1,17 @@
 """ColocatedServer: the baseline. One deployment runs both phases on the same cores.
 
-Same engine and limits as the split app (prefill batched under the same token budget, the same
-continuous-batching decode loop, the same KV package handed from one to the other); the only
-difference is where prefill runs. A newly arrived prompt is prefilled between two decode steps:
-the model runner's lock lets one forward pass run at a time, so the prefill waits for the step
-in progress, and the next step waits for the prefill. Every running stream stalls for as long
-as the prompt takes; that stall is what the split app removes.
+Same engine and limits as the split app (prefill chunked under the same token budget, the
+same continuous-batching decode loop, the same KV package handed from one to the other); the
+only difference is where prefill runs.
+
+With ``mixed_batch`` (the default) it schedules as vLLM does: while sequences are decoding, a
+waiting prompt's next chunk rides in the decode step itself (``PrefillQueue.mix_into``,
+``ModelRunner.forward_mixed``): one forward pass reads the weights once for the decode rows
+and the chunk, under the prefill pass budget, so a running stream waits one (longer) pass per
+token, never a separate prefill pass. With nothing decoding, prompts get prefill passes of
+their own. With ``mixed_batch: false``, a prompt's chunks are prefill passes between two
+decode steps (the model runs one pass at a time): every running stream stalls for each chunk;
+that stall is what the split app removes.
 
 It answers the Ingress like a decode replica that prefills locally: ``generate_local`` takes a
 :class:`PrefillRequest` and streams a :class:`StreamStart`, then :class:`TokenEvent` items.
@@ -35,6 +41,8 @@ class ColocatedServer(DecodeReplica):
         self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
                                     PrefillMetrics(self.args.model_name, count_waiting=False),
                                      eos_token_ids=self.eos_token_ids)
+        if self.core.config.mixed_batch:
+            self.batcher.mix_into(self.loop)
 
     def prefills_waiting(self) -> int:
         return self.batcher.waiting_requests
@@ -66,5 +74,7 @@ class ColocatedServer(DecodeReplica):
             "prefill_tokens_total": b.tokens_total,
             "prefill_compute_s_total": b.compute_s_total,
             "prefill_passes": b.passes,
+            "mixed_batch": b.decode is not None,
+            "mixed_passes": b.mixed_passes,
             **b.cache_stats(),
         }

@@ -16,12 +16,13 @@ from ray import serve
 
 from app.chat import PromptBuilder
 from app.config import EngineConfig
+from app.decode import DecodeLoop
 from app.engine_core import EngineCore
 from app.errors import ReplicaUnhealthyError
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest, StreamStart
 from app.model_loader import load_tokenizer
-from app.prefill import PrefillJob
+from app.prefill import ChunkPlan, PrefillJob
 from deployments.args import AppArgs
 from deployments.metrics import DecodeMetrics, PrefillMetrics
 
@@ -101,7 +102,13 @@ class PrefillQueue:
     """Prompts waiting for prefill in one replica and the task that computes them: pass
     after pass (``Prefiller.plan_pass``: shortest remaining first, chunked, fair), each on
     the engine's thread, so a prompt that arrives during a long prompt's prefill joins the
-    next pass. Counts what waits and what was computed."""
+    next pass. Counts what waits and what was computed.
+
+    Mixed batching (``mix_into``, the colocated app): while the decode loop on the same
+    engine has sequences, the queue runs no pass of its own; the loop takes the next chunks
+    into each of its steps (``take_chunks``, ``Prefiller.plan_chunks``) and hands back what
+    the step computed (``chunks_done``). With nothing decoding, it runs its passes again.
+    """
 
     def __init__(self, core: EngineCore, wait_s: float, metrics: PrefillMetrics,
                  on_batch: Callable[[int, int, float], None] | None = None,
@@ -122,6 +129,37 @@ class PrefillQueue:
         self.tokens_total = 0  # prompt tokens computed (cached ones not counted)
         self.compute_s_total = 0.0
         self.passes = 0
+        self.mixed_passes = 0  # of those, decode steps that carried chunks
+        self.decode: DecodeLoop | None = None  # mixed batching: the loop that takes chunks
+        self._in_flight: set[int] = set()  # ids of the jobs in a pass or step under way
+
+    def mix_into(self, loop: DecodeLoop) -> None:
+        """Mixed batching: while ``loop`` has sequences, its steps carry this queue's
+        chunks."""
+        self.decode = loop
+        loop.prefill_source = self
+
+    def _free_jobs(self) -> list[PrefillJob]:
+        return [j for j in self.jobs if id(j) not in self._in_flight]
+
+    def take_chunks(self, decode_rows: int) -> ChunkPlan | None:
+        """The decode loop's next step: the chunks it carries (none may be in a pass)."""
+        plan = self.prefiller.plan_chunks(self._free_jobs(), decode_rows)
+        if plan is not None:
+            self._in_flight.update(id(j) for j in plan.rows)
+        return plan
+
+    def chunks_done(self, plan: ChunkPlan, error: BaseException | None) -> None:
+        self._in_flight.difference_update(id(j) for j in plan.rows)
+        if error is not None:
+            for job in plan.rows:
+                self._finish(job, exc=error)
+            return
+        self.mixed_passes += 1
+        self._record_pass(plan.rows, plan.before, plan.packages, plan.elapsed)
+
+    def decode_idle(self) -> None:
+        self._wake.set()
 
     async def enqueue(self, req: PrefillRequest) -> KVPackage:
         """Prefill one prompt (in passes shared with others); raises its validation error
@@ -155,8 +193,13 @@ class PrefillQueue:
 
     async def _run(self) -> None:
         while True:
+            if self.decode is not None and self.decode.busy:
+                # the decode loop's steps take the chunks; it wakes us once it is idle
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             try:
-                rows = self.prefiller.plan_pass(self.jobs)
+                rows = self.prefiller.plan_pass(self._free_jobs())
             except Exception as exc:  # never leave a caller waiting on a queue that stopped
                 logger.exception("prefill planning failed; failing the queued prompts")
                 for job in list(self.jobs):
@@ -169,10 +212,13 @@ class PrefillQueue:
                 continue
             before = [j.remaining for j in rows]
             start = time.perf_counter()
+            self._in_flight.update(id(j) for j in rows)
             try:
                 packages = await self.core.run(self.prefiller.run_pass, rows)
+                self._in_flight.difference_update(id(j) for j in rows)
                 self._record_pass(rows, before, packages, time.perf_counter() - start)
             except Exception as exc:  # the pass failed: its prompts fail, the queue goes on
+                self._in_flight.difference_update(id(j) for j in rows)
                 for job in rows:
                     self._finish(job, exc=exc)
 

@@ -1,0 +1,117 @@
+"""Mixed batching: a decode step and prompt chunks in one forward pass
+(``ModelRunner.forward_mixed``, ``Prefiller.plan_chunks``, ``Decoder.step(plan)``) compute
+what the separate passes compute."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from app.config import EngineConfig
+from app.decode import Decoder
+from app.engine_core import EngineCore
+from app.kv_cache import contiguous_tables
+from app.messages import PrefillRequest
+from app.sampling import SamplingParams
+from app.sequence import Sequence
+from tests.conftest import hf_greedy
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def _core(model, **cfg) -> EngineCore:
+    return EngineCore(EngineConfig(**cfg), model=model)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+@pytest.mark.parametrize("decode_lengths", [[5, 20, 33], [7], []])
+def test_mixed_forward_equals_prefill_and_decode_run_separately(tiny_model, decode_lengths):
+    """Decode rows' logits and pool writes, each chunk's last logits and KV: as ``decode`` and
+    ``forward_prefill`` give them (a fresh chunk, a chunk after earlier positions)."""
+    runner = _core(tiny_model).runner
+    rows = len(decode_lengths)
+    tables = contiguous_tables(max(rows, 1), 64, 16)[:rows]
+    caches = [runner.make_kv_cache(16, 16) for _ in range(2)]
+    if rows:
+        _, kvs = runner.forward_prefill([_ids(n, seed=n) for n in decode_lengths])
+        for cache in caches:
+            for table, kv in zip(tables, kvs, strict=True):
+                cache.write(table, kv)
+    tokens = [11 + i for i in range(rows)]
+    fresh = _ids(17, seed=1)
+    doc = _ids(40, seed=2)
+    _, [doc_past] = runner.forward_prefill([doc[:23]])
+
+    ref_chunks = [runner.forward_prefill([fresh]), runner.forward_prefill([doc[23:]], [doc_past])]
+    dec_logits, chunk_logits, chunk_kvs = runner.forward_mixed(
+        caches[1], tables, tokens, decode_lengths, [fresh, doc[23:]], [None, doc_past])
+
+    assert chunk_logits.shape[0] == 2 and dec_logits.shape[0] == rows
+    for i, (logits, [kv]) in enumerate(ref_chunks):
+        torch.testing.assert_close(chunk_logits[i], logits[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(chunk_kvs[i], kv, rtol=1e-5, atol=1e-5)
+        assert chunk_kvs[i].dtype == kv.dtype and chunk_kvs[i].is_contiguous()
+    if rows:
+        ref = runner.decode(caches[0], tables, tokens, decode_lengths)
+        torch.testing.assert_close(dec_logits, ref, rtol=1e-4, atol=1e-4)
+        for table, n in zip(tables, decode_lengths, strict=True):
+            # the new token's key/value went into the row's next slot, as decode writes it
+            torch.testing.assert_close(caches[1].read(table, n + 1), caches[0].read(table, n + 1),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_plan_chunks_fills_the_pass_budget_after_the_decode_rows(tiny_model):
+    core = _core(tiny_model, prefill_chunk_tokens=32, prefill_token_budget=4096,
+                 prefill_fairness_s=1e9, prefix_cache_mb=0)
+    prefiller = core.make_prefiller()
+    jobs = [prefiller.new_job(PrefillRequest(f"r{n}", tuple(_ids(n, n)), GREEDY))
+            for n in (100, 10, 6)]
+    plan = prefiller.plan_chunks(jobs, decode_rows=8)
+    # shortest remaining first, 32 - 8 decode rows = 24 tokens of chunks, not padded
+    assert [j.req.num_tokens for j in plan.rows] == [6, 10, 100]
+    assert plan.sizes == [6, 10, 8] and plan.tokens == 24
+    assert plan.before == [6, 10, 100]
+    # a full decode batch leaves the chunks a quarter of the pass, never nothing
+    assert prefiller.plan_chunks(jobs, decode_rows=64).tokens == 8
+    # each row computes at most prefill_chunk_tokens
+    assert prefiller.plan_chunks(jobs[:1], decode_rows=0).sizes == [32]
+    assert prefiller.plan_chunks([], decode_rows=1) is None
+
+
+def test_a_prompt_computed_in_mixed_steps_gets_the_package_it_gets_alone(tiny_model):
+    """Chunks riding in decode steps: the package (KV, first token, first-token logprobs)
+    of prefilling it alone, and the running sequence's tokens those of generating alone."""
+    core = _core(tiny_model, prefill_chunk_tokens=16, prefix_cache_mb=0)
+    prefiller = core.make_prefiller()
+    decoder = Decoder(core.runner, eos_token_ids=frozenset(), max_batch_size=4,
+                      max_kv_tokens=4096)
+    prompt = _ids(20, seed=5)
+    [pkg] = prefiller.make_packages([PrefillRequest("s", tuple(prompt), GREEDY)])
+    seq = Sequence("s", pkg.prompt_ids, pkg.sampling)
+    seq.append(pkg.first_token, eos_token_ids=frozenset(), max_model_len=512)
+    decoder.add(seq, pkg)
+
+    doc = _ids(45, seed=6)
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)
+    [alone] = prefiller.make_packages([PrefillRequest("alone", tuple(doc), sampling)])
+    job = prefiller.new_job(PrefillRequest("doc", tuple(doc), sampling))
+    packages = []
+    while job.remaining:
+        plan = prefiller.plan_chunks([job], decode_rows=len(decoder.running) or 1)
+        decoder.step(plan)
+        packages += plan.packages
+    # 16-token passes, one decode row: chunks of 15 + 15 + 15, each in a decode step
+    assert decoder.mixed_steps == 3 and decoder.steps == 3
+    [mixed] = [p for p in packages if p is not None]
+    assert mixed.first_token == alone.first_token
+    a, b = mixed.first_logprobs, alone.first_logprobs
+    assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    torch.testing.assert_close(mixed.kv_tensor(), alone.kv_tensor(), rtol=1e-5, atol=1e-5)
+    assert seq.output_token_ids == hf_greedy(tiny_model, prompt, len(seq.output_token_ids))
