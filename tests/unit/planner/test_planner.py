@@ -166,7 +166,7 @@ def test_single_request_split_equals_the_service_times():
     dev = device(hop_latency=0.004, hop_gbs=1.0, overhead=0.003)
     lim = EngineLimits(batch_wait_s=0.005, padded_kv=False)
     r = simulate(SplitSystem(dev, dev, 1, 1, lim), [Arrival(0.0, 500, 11)]).records[0]
-    prefill = 0.01 + 0.001 * 500
+    prefill = 2 * 0.01 + 0.001 * 500  # two passes: chunks of 256 and 244 tokens
     hop = 0.004 + 500 * 1000 / 1e9
     assert r.ttft_s == pytest.approx(0.003 + 0.005 + prefill + hop)
     assert r.tpot_s == pytest.approx(0.02)  # 10 decode steps for tokens 2..11
@@ -203,19 +203,20 @@ def test_queueing_grows_as_load_nears_capacity():
     assert s["ttft_ms"]["mean"] == pytest.approx(750, rel=0.08)
 
 
-def test_prefill_batches_share_one_pass_and_add_replicas_parallelize():
+def test_prefill_passes_share_rows_and_add_replicas_parallelize():
     dev = device(prefill_base=0.1, prefill_per_token=0.0)
     arrivals = [Arrival(0.0, 100, 2) for _ in range(4)]
-    one = simulate(SplitSystem(dev, dev, 1, 1, NO_WAIT), arrivals).records
+    whole = EngineLimits(batch_wait_s=0.0, padded_kv=False, prefill_chunk_tokens=4096)
+    one = simulate(SplitSystem(dev, dev, 1, 1, whole), arrivals).records
     # all four arrive together: one padded pass of 4 rows, everyone's first token at 0.1 s
     assert [r.ttft_s for r in one] == pytest.approx([0.1] * 4)
-    # one row per pass: the four passes run in turn, but @serve.batch returns the batch's
-    # packages together when its last pass ends
-    lim = EngineLimits(prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
-    together = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
-    assert [r.ttft_s for r in together] == pytest.approx([0.4] * 4)
-    # a token budget of one prompt: each Serve batch is one request, returned on its own
-    lim = EngineLimits(token_budget=100, prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
+    # a pass computes at most prefill_chunk_tokens (256): two rows of 100 per pass, and
+    # each prompt's package leaves when its own pass ends
+    chunked = simulate(SplitSystem(dev, dev, 1, 1, NO_WAIT), arrivals).records
+    assert sorted(r.ttft_s for r in chunked) == pytest.approx([0.1, 0.1, 0.2, 0.2])
+    # one row per pass: the passes run in turn
+    lim = EngineLimits(prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False,
+                       prefill_routing="least_loaded")
     serial = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
     assert sorted(r.ttft_s for r in serial) == pytest.approx([0.1, 0.2, 0.3, 0.4])
     two = simulate(SplitSystem(dev, dev, 2, 1, lim), arrivals).records
@@ -342,9 +343,10 @@ def test_cli_simulate_runs(capsys):
 def test_padded_batch_attends_rows_times_longest_paged_attends_each_context():
     dev = DeviceProfile("ctx", PassCost(0.0, Linear(0.0, 0.0, 0.0)),
                         PassCost(0.0, Linear(0.0, 0.0, 1e-4)), 0, 1 << 20)
-    arrivals = [Arrival(0.0, 100, 2), Arrival(0.0, 1000, 2)]
-    for pow2, expected in ((True, 2 * 1001 * 1e-4), (False, (101 + 1001) * 1e-4)):
-        lim = EngineLimits(batch_wait_s=0.0, padded_kv=pow2)
+    # one prefill pass (prompts of 900 and 1000 tokens share it: padding under a quarter)
+    arrivals = [Arrival(0.0, 900, 2), Arrival(0.0, 1000, 2)]
+    for pow2, expected in ((True, 2 * 1001 * 1e-4), (False, (901 + 1001) * 1e-4)):
+        lim = EngineLimits(batch_wait_s=0.0, padded_kv=pow2, prefill_chunk_tokens=4096)
         recs = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
         assert [r.e2e_s - r.ttft_s for r in recs] == pytest.approx([expected] * 2)
 
