@@ -25,10 +25,14 @@ The simulated engine follows the app's code path by path:
   the least loaded decode replica, each with its own hop and its own KV (the prompt's KV
   held once per answer), all of the request's ``output_len`` tokens.
 * **Decode replica** (``Decoder``): continuous batching; before each step it admits waiting
-  sequences in order while the batch has a free row and the KV budget holds (the engine's
-  buffer is ``round_rows(rows) x round_capacity(capacity)`` tokens, capacity the longest prompt +
-  max_tokens; a paged engine holds exactly the tokens used). A step costs ``decode_s(batch,
-  longest context)`` and gives every running sequence one token.
+  sequences in order while the batch has a free row and the KV budget holds (``padded_kv``:
+  the contiguous buffer the engine had before its paged KV pool, ``round_rows(rows) x
+  round_capacity(capacity)`` tokens, capacity the longest prompt + max_tokens; otherwise
+  paged, exactly the tokens reserved). A step costs ``decode_s(batch, longest context)``
+  (padded) or attends each row's own context (paged) and gives every running sequence one
+  token. The engine's pool is paged now and its attention gathers rows padded to the
+  longest unless that would copy over twice the positions held (``app.paged_attention``):
+  for rows of alike lengths (the validation runs) that is what ``padded_kv`` charges.
 * **Colocated replica** (``ColocatedServer``): one device does both, on one engine thread
   that runs one pass at a time in the order they were submitted. Under the ``interleave``
   policy (this app) the replica's prefill queue is the split's (same planner, same
