@@ -8,6 +8,8 @@
         --num-prefill 1 --num-decode 2 --model llama-3.1-8b --rate 4 \\
         --input-len lognormal:2048:0.6:256:8000 --output-len lognormal:256:0.6:16:1024 \\
         --slo ttft:1000 tpot:50
+    # the same with half of each prompt cached, four answers per request, 2048-token chunks
+    python -m planner simulate ... --prefix-hit-rate 0.5 --n 4 --prefill-chunk 2048
     # the best split and colocated fleets per dollar
     python -m planner search --hardware H100,H200,A100,L4 --model llama-3.1-8b ...
     # predicted vs measured on real load-generator runs
@@ -63,13 +65,16 @@ def _devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
 def _limits(args: argparse.Namespace) -> EngineLimits:
     return EngineLimits(max_batch_size=args.max_batch_size, token_budget=args.token_budget,
                         prefill_max_rows=args.prefill_max_rows,
-                        padded_kv=args.kv_layout == "padded")
+                        padded_kv=args.kv_layout == "padded",
+                        prefill_chunk_tokens=args.prefill_chunk,
+                        prefill_fairness_s=args.prefill_fairness_s,
+                        prefill_routing=args.prefill_routing)
 
 
 def _workload(args: argparse.Namespace) -> Workload:
     return Workload(args.rate, LengthDist.parse(args.input_len),
                     LengthDist.parse(args.output_len), args.num_requests, args.burstiness,
-                    args.seed)
+                    args.seed, prefix_hit_rate=args.prefix_hit_rate, n=args.n)
 
 
 def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
@@ -93,6 +98,21 @@ def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
     p.add_argument("--kv-layout", choices=("padded", "paged"),
                    default="paged" if gpu_defaults else "padded",
                    help="padded: this app's contiguous buffer; paged: vLLM-style blocks")
+    p.add_argument("--prefill-chunk", type=int, default=2048 if gpu_defaults else 256,
+                   help="prefill_chunk_tokens: at most this many tokens per prefill pass, "
+                   "long prompts in chunks (the GPU serve configs use 2048, EngineConfig 256)")
+    p.add_argument("--prefill-fairness-s", type=float, default=5.0,
+                   help="a prompt that waited this long leads every other prefill pass")
+    p.add_argument("--prefill-routing", choices=("affinity", "least_loaded"),
+                   default="affinity", help="prefill replica choice: the app's prefix-"
+                   "affinity router (a home replica unless 4 requests busier) or least loaded")
+    p.add_argument("--prefix-hit-rate", type=float, default=0.0,
+                   help="fraction of each prompt's tokens served by the prefix cache (whole "
+                   "16-token blocks; only the rest is computed, the KV hop and decode carry "
+                   "the whole prompt)")
+    p.add_argument("--n", type=int, default=1,
+                   help="answers per request: one prefill, n decode sequences; a request is "
+                   "good when every answer meets the SLOs")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -253,7 +273,11 @@ def _with_stack(device: DeviceProfile, name: str, path: str, hop: bool) -> Devic
 def _cmd_simulate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     slos = parse_slos(args.slo)
     system = _simulated_system(args, _devices(args))
-    runs = load_trace(args.trace) if args.trace else [_workload(args).arrivals()]
+    if args.trace:  # the trace's lengths; --n and --prefix-hit-rate apply to every request
+        runs = [[dataclasses.replace(a, n=args.n).with_prefix_hit_rate(args.prefix_hit_rate)
+                 for a in arrivals] for arrivals in load_trace(args.trace)]
+    else:
+        runs = [_workload(args).arrivals()]
     for arrivals in runs:
         _print_summary(simulate(system, arrivals).summary(slos), slos)
     return 0

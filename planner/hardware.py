@@ -4,6 +4,8 @@ A :class:`DeviceProfile` answers the three questions the simulator asks, in seco
 
 * ``prefill_s(rows, longest)``: one right-padded prefill forward pass of ``rows`` prompts whose
   longest has ``longest`` tokens (the engine computes ``rows x longest`` tokens);
+  ``prefill_chunk_s(rows, chunk, past)`` the same for chunks that follow ``past`` positions
+  already computed or cached;
 * ``decode_s(batch, span)``: one decode step of ``batch`` sequences whose longest context is
   ``span`` tokens (the engine attends every row over ``span`` positions);
 * ``hop_s(nbytes)``: moving one KV package from a prefill to a decode replica.
@@ -234,6 +236,15 @@ class DeviceProfile:
 
     def prefill_s(self, rows: int, longest: int) -> float:
         return self.prefill(rows * longest, rows * longest * longest)
+
+    def prefill_chunk_s(self, rows: int, chunk: int, past: int) -> float:
+        """One pass of ``rows`` prompt chunks padded to ``chunk`` tokens, each after ``past``
+        positions whose KV exists (earlier chunks, a cached prefix; padded to the longest).
+        The attention feature counts the causal pairs twice, as ``prefill_s`` does for a
+        whole prompt (``rows x longest^2``): ``chunk x (chunk + 2 x past)`` per row, so the
+        chunks of a prompt add up to the prompt's own feature. ``past = 0`` is
+        ``prefill_s``."""
+        return self.prefill(rows * chunk, rows * chunk * (chunk + 2 * past))
 
     def decode_s(self, batch: int, span: int) -> float:
         """A step that attends every row over ``span`` positions (this app's padded batch)."""

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from planner.hardware import DeviceProfile
+from planner.hardware import DeviceProfile, PassCost
 from planner.simulator import (
     ColocatedSystem,
     EngineLimits,
@@ -125,13 +125,15 @@ def _per_replica_rates(devices: Sequence[DeviceProfile], workload: Workload,
     ttft_only = {k: v for k, v in slos.items() if k == "ttft"}
     tpot_only = {k: v for k, v in slos.items() if k == "tpot"}
     prefill_rate, decode_rate = {}, {}
-    best_prefill = min(devices, key=lambda d: d.prefill_s(4, 1024))
     best_decode = min(devices, key=lambda d: d.decode_s(16, 1024))
     for dev in devices:
         prefill_rate[dev.name], _ = max_goodput_rate(
             SplitSystem(dev, best_decode, 1, 8, limits), workload, ttft_only, **opts)
+        # prefill at no cost: the decode replica sees every prompt as it arrives, however
+        # many prefill replicas that would take (with chunked passes, eight may not do)
+        free_prefill = replace(dev, name=f"{dev.name}-free-prefill", prefill=PassCost())
         decode_rate[dev.name], _ = max_goodput_rate(
-            SplitSystem(best_prefill, dev, 8, 1, limits), workload, tpot_only, **opts)
+            SplitSystem(free_prefill, dev, 1, 1, limits), workload, tpot_only, **opts)
         log(f"{dev.name}: prefill {prefill_rate[dev.name]:.2f} req/s, "
             f"decode {decode_rate[dev.name]:.2f} req/s per replica")
     return prefill_rate, decode_rate

@@ -2,60 +2,122 @@
 
 The simulated engine follows the app's code path by path:
 
-* **Prefill replica** (``PrefillServer``): requests queue; when the replica is free it takes
-  the queue head in arrival order up to ``token_budget`` tokens (``@serve.batch`` with a token
-  ``batch_size_fn``, a prompt longer than the budget weighing the whole budget), waits the
-  batch timeout, then runs the batch as right-padded passes of at most ``prefill_max_rows``
-  rows and ``rows x longest <= token_budget`` (``app.prefill.plan_batches``). Every package
-  of the batch is returned when the last pass ends.
-* **KV hop**: ``hop_s(prompt tokens x KV bytes per token)``; decode yields the first token the
-  moment it holds the package (TTFT).
+* **Prefill replica** (``PrefillServer`` → ``PrefillQueue``, ``app.prefill.Prefiller``): a
+  prompt joins its replica's queue starting from its cached prefix (``cached_len`` of its
+  arrival: only the uncached suffix is computed). The replica runs pass after pass; each
+  pass is planned by the engine's rule (``Prefiller.plan_pass``): shortest remaining first,
+  except that every other pass is led by the longest-waiting prompt once one has waited
+  ``prefill_fairness_s``; each row computes at most ``prefill_chunk_tokens`` of its prompt;
+  rows share a pass while ``rows x longest chunk`` fits ``min(token_budget,
+  prefill_chunk_tokens)``, padding stays within a quarter of the real tokens, the padded
+  pasts within ``token_budget`` and rows within ``prefill_max_rows``. A pass costs
+  ``prefill_chunk_s(rows, longest chunk, longest past)``. A prompt that arrives while a
+  long one is being computed joins the next pass. A prompt's package leaves when its own
+  last chunk ends. An idle queue waits ``batch_wait_s`` after a prompt wakes it.
+* **Routing to prefill** (``PrefixAffinityRouter``): each prompt has a home replica
+  (rendezvous hashing of its first tokens: uniform over replicas here, drawn from a fixed
+  seed) and goes there unless the home holds more than ``affinity_imbalance`` requests
+  more than the least loaded, which then gets it. ``prefill_routing="least_loaded"`` sends
+  every prompt to the least loaded replica instead.
+* **KV hop**: ``hop_s(prompt tokens x KV bytes per token)``, the whole prompt (cached part
+  included); decode yields the first token the moment it holds the package (TTFT).
+* **Several answers** (``n``): one prefill, then each answer is its own decode sequence on
+  the least loaded decode replica, each with its own hop and its own KV (the prompt's KV
+  held once per answer), all of the request's ``output_len`` tokens.
 * **Decode replica** (``Decoder``): continuous batching; before each step it admits waiting
-  sequences in order while the batch has a free row and the KV budget holds (the engine's
-  buffer is ``round_rows(rows) x round_capacity(capacity)`` tokens, capacity the longest prompt +
-  max_tokens; a paged engine holds exactly the tokens used). A step costs ``decode_s(batch,
-  longest context)`` and gives every running sequence one token.
-* **Colocated replica** (``ColocatedServer``): one device does both; a waiting prefill batch
-  runs between two decode steps and every running stream waits for it (``interleave``). The
-  ``chunked`` policy (vLLM/Sarathi-style, not what this app does) instead mixes up to
-  ``chunk_tokens`` prompt tokens into every decode step.
+  sequences in order while the batch has a free row and the KV budget holds (``padded_kv``:
+  the contiguous buffer the engine had before its paged KV pool, ``round_rows(rows) x
+  round_capacity(capacity)`` tokens, capacity the longest prompt + max_tokens; otherwise
+  paged, exactly the tokens reserved). A step costs ``decode_s(batch, longest context)``
+  (padded) or attends each row's own context (paged) and gives every running sequence one
+  token. The engine's pool is paged now and its attention gathers rows padded to the
+  longest unless that would copy over twice the positions held (``app.paged_attention``):
+  for rows of alike lengths (the validation runs) that is what ``padded_kv`` charges.
+* **Colocated replica** (``ColocatedServer``): one device does both, on one engine thread
+  that runs one pass at a time in the order they were submitted. Under the ``interleave``
+  policy (this app) the replica's prefill queue is the split's (same planner, same
+  chunks) and its passes alternate with decode steps while both have work: every running
+  stream waits for one prefill pass (one chunk) between two steps. The ``chunked`` policy
+  (vLLM/Sarathi-style mixed passes, not what this app does) instead mixes up to
+  ``chunk_tokens`` tokens of the oldest prompt into every decode step. An ``n > 1``
+  request is prefilled once; each answer decodes on the least loaded replica (a KV hop
+  when that is another replica).
+
+A request is good when every one of its answers meets every SLO: its record carries the
+worst answer's TTFT and TPOT and the last answer's end (``SimRecord``).
 
 Requests are routed to the replica with the least outstanding work (Serve's power-of-two
-choice is close to that). Latencies are measured from the client's send time and the metrics
-are the load generator's own (``load_tests.metrics``), so a simulated run and a real one are
-summarized by the same code.
+choice is close to that), prefill as above. Latencies are measured from the client's send
+time and the metrics are the load generator's own (``load_tests.metrics``), so a simulated
+run and a real one are summarized by the same code.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import json
+import math
 import random
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from load_tests.metrics import RequestRecord, summarize
+from load_tests.metrics import RequestRecord, meets_slos, summarize, tpot
 from load_tests.workloads import LengthDist, arrival_gaps
 from planner.hardware import DeviceProfile
 
+# The prefix cache's block (``app.prefix_cache.DEFAULT_BLOCK_TOKENS``): a prompt's cached
+# prefix is a whole number of blocks and leaves at least one token to compute.
+PREFIX_BLOCK_TOKENS = 16
+# ``app.prefill.MAX_PADDING``: padding may add at most this fraction of a pass's real tokens.
+MAX_PADDING = 0.25
+# Prompts the planner looks at after the head of a pass: the engine scans the whole queue,
+# but past this many no row joins in practice (rows x chunk fills the pass long before).
+_PLAN_SCAN = 64
+
 # ---- workload ---------------------------------------------------------------------------
+
+
+def cached_prefix(input_len: int, hit_rate: float, block: int = PREFIX_BLOCK_TOKENS) -> int:
+    """Prompt tokens a prefix hit rate of ``hit_rate`` takes from the cache: whole blocks,
+    at most all but the last token (``PrefixCache.match``)."""
+    if hit_rate <= 0:
+        return 0
+    blocks = math.floor(hit_rate * input_len + 1e-9) // block
+    return min(blocks, (input_len - 1) // block) * block
 
 
 @dataclass(frozen=True, slots=True)
 class Arrival:
     at: float  # seconds from the start
     input_len: int
-    output_len: int
+    output_len: int  # tokens of each answer
     request_class: str = "sim"
+    n: int = 1  # answers (one prefill, n decode sequences)
+    cached_len: int = 0  # prompt tokens the prefix cache holds (not computed)
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 0 <= self.cached_len < self.input_len:
+            raise ValueError(f"cached_len must be in [0, input_len), got {self.cached_len}")
+
+    def with_prefix_hit_rate(self, hit_rate: float) -> Arrival:
+        return replace(self, cached_len=cached_prefix(self.input_len, hit_rate))
 
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    """An open-loop arrival process with length distributions."""
+    """An open-loop arrival process with length distributions.
+
+    ``prefix_hit_rate``: the fraction of each prompt's tokens the prefix cache holds (whole
+    blocks; the rest is computed), e.g. a multi-turn chat resending its conversation.
+    ``n``: answers per request, each ``output_len`` tokens long.
+    """
 
     rate: float
     input_len: LengthDist
@@ -63,6 +125,14 @@ class Workload:
     num_requests: int = 200
     burstiness: float = 1.0
     seed: int = 0
+    prefix_hit_rate: float = 0.0
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prefix_hit_rate <= 1.0:
+            raise ValueError(f"prefix_hit_rate must be in [0, 1], got {self.prefix_hit_rate}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
 
     def arrivals(self) -> list[Arrival]:
         rng = random.Random(self.seed)
@@ -71,22 +141,25 @@ class Workload:
         for i in range(self.num_requests):
             if i:
                 t += next(gaps)
-            out.append(Arrival(t, self.input_len.sample(rng), self.output_len.sample(rng)))
+            n_in = self.input_len.sample(rng)
+            out.append(Arrival(t, n_in, self.output_len.sample(rng), n=self.n,
+                               cached_len=cached_prefix(n_in, self.prefix_hit_rate)))
         return out
 
     def with_rate(self, rate: float) -> Workload:
-        return Workload(rate, self.input_len, self.output_len, self.num_requests,
-                        self.burstiness, self.seed)
+        return replace(self, rate=rate)
 
 
 def load_trace(path: str | Path, run: int | None = None) -> list[list[Arrival]]:
     """Arrivals from a load-generator ``results.json`` (one list per run, from each request's
-    send time and token counts) or a JSONL file of ``{"at", "input", "output"}`` lines."""
+    send time and token counts) or a JSONL file of ``{"at", "input", "output"}`` lines
+    (optional ``"n"``, answers, and ``"cached"``, prompt tokens held by the prefix cache)."""
     text = Path(path).read_text()
     if str(path).endswith(".jsonl"):
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         return [[Arrival(float(r["at"]), int(r["input"]), int(r["output"]),
-                         str(r.get("class", "sim"))) for r in rows]]
+                         str(r.get("class", "sim")), int(r.get("n", 1)),
+                         int(r.get("cached", 0))) for r in rows]]
     data = json.loads(text)
     runs = data["runs"] if run is None else [data["runs"][run]]
     return [trace_of_run(r) for r in runs]
@@ -107,13 +180,24 @@ def trace_of_run(run: dict[str, Any]) -> list[Arrival]:
 
 @dataclass(frozen=True, slots=True)
 class EngineLimits:
-    """The engine's bounds (``EngineConfig`` / ``AppArgs``)."""
+    """The engine's bounds (``EngineConfig`` / ``AppArgs``; the defaults are
+    ``EngineConfig``'s)."""
 
     max_batch_size: int = 16
-    token_budget: int = 4096
-    prefill_max_rows: int = 8
-    batch_wait_s: float = 0.005
+    token_budget: int = 4096  # prefill_token_budget
+    prefill_max_rows: int = 8  # prefill_max_batch_size
+    batch_wait_s: float = 0.005  # prefill_batch_wait_s
     padded_kv: bool = True  # this app's contiguous buffer; False: a paged engine
+    prefill_chunk_tokens: int = 256  # at most this many tokens per prefill pass
+    prefill_fairness_s: float = 5.0  # a prompt that waited this long leads every other pass
+    prefill_routing: str = "affinity"  # "affinity" (PrefixAffinityRouter) | "least_loaded"
+    affinity_imbalance: int = 4  # PrefixAffinityRouter's imbalance
+
+    def __post_init__(self) -> None:
+        if self.prefill_routing not in ("affinity", "least_loaded"):
+            raise ValueError(f"unknown prefill routing {self.prefill_routing!r}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,31 +260,58 @@ class _Clock:
             fn()
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Req:
+    """One request: its prompt's way through prefill and its answers."""
+
     arrival: Arrival
     sent_at: float
+    uid: int
+    done: int = 0  # prompt positions whose KV exists (cached prefix + computed chunks)
+    queued_at: float = 0.0  # when it joined its prefill queue (``PrefillJob.arrived``)
+    answers: list[_Seq] = field(default_factory=list)
+    finished: int = 0  # answers finished
+
+    @property
+    def remaining(self) -> int:
+        return self.arrival.input_len - self.done
+
+
+@dataclass(eq=False, slots=True)
+class _Seq:
+    """One answer: a decode sequence."""
+
+    req: _Req
     first_token_at: float | None = None
     finished_at: float | None = None
     generated: int = 0  # output tokens produced so far (the first comes from prefill)
 
     @property
+    def output_len(self) -> int:
+        return self.req.arrival.output_len
+
+    @property
     def kv_len(self) -> int:
         # KV held: the prompt plus every output token fed back so far
-        return self.arrival.input_len + max(self.generated - 1, 0)
+        return self.req.arrival.input_len + max(self.generated - 1, 0)
 
     @property
     def max_total(self) -> int:
-        return self.arrival.input_len + self.arrival.output_len
+        return self.req.arrival.input_len + self.output_len
 
     def first_token(self, now: float) -> bool:
         """Prefill's token reaches the decoder at ``now``; True when it was the only one."""
         self.first_token_at = now
         self.generated = 1
-        if self.arrival.output_len <= 1:
+        if self.output_len <= 1:
             self.finished_at = now
             return True
         return False
+
+
+def _answers(r: _Req) -> list[_Seq]:
+    r.answers = [_Seq(r) for _ in range(r.arrival.n)]
+    return r.answers
 
 
 def _padded_kv_tokens(rows: int, capacity: int) -> int:
@@ -216,52 +327,101 @@ class _Busy:
     decode_s: float = 0.0
 
 
-def _plan_batches(reqs: list[_Req], budget: int, max_rows: int) -> list[list[_Req]]:
-    """``app.prefill.plan_batches``: sorted by length, rows x longest within the budget."""
-    batches: list[list[_Req]] = []
-    batch: list[_Req] = []
-    longest = 0
-    for r in sorted(reqs, key=lambda r: r.arrival.input_len):
-        n = r.arrival.input_len
-        if batch and ((len(batch) + 1) * max(longest, n) > budget or len(batch) >= max_rows):
-            batches.append(batch)
-            batch, longest = [], 0
-        batch.append(r)
-        longest = max(longest, n)
-    if batch:
-        batches.append(batch)
-    return batches
+class _PrefillQueue:
+    """One replica's prompts waiting for prefill and the engine's pass planner
+    (``deployments.replica.PrefillQueue`` with ``app.prefill.Prefiller.plan_pass``)."""
 
+    def __init__(self, device: DeviceProfile, limits: EngineLimits) -> None:
+        self.device, self.limits = device, limits
+        self.chunk_tokens = limits.prefill_chunk_tokens
+        self.pass_tokens = min(limits.token_budget, limits.prefill_chunk_tokens)
+        # live prompts by (remaining, queued_at, uid): shortest remaining first
+        self._order: list[tuple[int, float, int, _Req]] = []
+        self._by_age: deque[_Req] = deque()  # arrival order; finished ones dropped lazily
+        self._led_by_waiting = False
+        self.idle = True  # the queue's loop sleeps: the next prompt waits batch_wait_s
+        self.tokens = 0  # prompt tokens still to compute
 
-def _take_batch(queue: deque[_Req], budget: int) -> list[_Req]:
-    """``@serve.batch`` with a token ``batch_size_fn``: the queue head up to the budget."""
-    taken: list[_Req] = []
-    tokens = 0
-    while queue:
-        w = min(queue[0].arrival.input_len, budget)
-        if taken and tokens + w > budget:
-            break
-        taken.append(queue.popleft())
-        tokens += w
-    return taken
+    def __len__(self) -> int:
+        return len(self._order)
 
+    @staticmethod
+    def _key(r: _Req) -> tuple[int, float, int, _Req]:
+        return (r.remaining, r.queued_at, r.uid, r)
 
-def _prefill_pass_s(device: DeviceProfile, rows: list[_Req]) -> float:
-    """One right-padded prefill pass of ``rows``."""
-    return device.prefill_s(len(rows), max(r.arrival.input_len for r in rows))
+    def add(self, r: _Req, now: float) -> None:
+        r.queued_at, r.done = now, r.arrival.cached_len
+        bisect.insort(self._order, self._key(r))
+        self._by_age.append(r)
+        self.tokens += r.remaining
+
+    def chunk_of(self, r: _Req) -> int:
+        return min(r.remaining, self.chunk_tokens)
+
+    def plan(self, now: float) -> list[_Req]:
+        """The prompts of the next pass (``Prefiller.plan_pass``); [] when none waits."""
+        if not self._order:
+            return []
+        while self._by_age[0].remaining == 0:
+            self._by_age.popleft()
+        oldest = self._by_age[0]
+        if now - oldest.queued_at > self.limits.prefill_fairness_s and not self._led_by_waiting:
+            head, self._led_by_waiting = oldest, True
+        else:
+            head, self._led_by_waiting = self._order[0][3], False
+        rows, chunks, pasts = [head], [self.chunk_of(head)], [head.done]
+        for scanned, (_, _, _, r) in enumerate(self._order):
+            if len(rows) >= self.limits.prefill_max_rows or scanned > _PLAN_SCAN:
+                break
+            if r is head:
+                continue
+            c = self.chunk_of(r)
+            padded = (len(rows) + 1) * max(max(chunks), c)
+            if padded > self.pass_tokens:
+                break  # every later prompt's chunk is at least as long: none fits either
+            real = sum(chunks) + c
+            if padded - real > MAX_PADDING * real:
+                continue
+            if (len(rows) + 1) * max(max(pasts), r.done) - sum(pasts) - r.done \
+                    > self.limits.token_budget:
+                continue
+            rows.append(r)
+            chunks.append(c)
+            pasts.append(r.done)
+        return rows
+
+    def pass_s(self, rows: list[_Req]) -> float:
+        """One pass: every row padded to the longest chunk, every past to the longest."""
+        return self.device.prefill_chunk_s(len(rows), max(self.chunk_of(r) for r in rows),
+                                           max(r.done for r in rows))
+
+    def advance(self, rows: list[_Req]) -> list[_Req]:
+        """The pass of ``rows`` ended: each computed its chunk. Returns the prompts it
+        finished (their packages leave now)."""
+        finished = []
+        for r in rows:
+            del self._order[bisect.bisect_left(self._order, self._key(r)[:3])]
+            c = self.chunk_of(r)
+            r.done += c
+            self.tokens -= c
+            if r.remaining:
+                bisect.insort(self._order, self._key(r))
+            else:
+                finished.append(r)
+        return finished
 
 
 class _Decoder:
     """One decode batch (``app.decode.Decoder``) on a device."""
 
     def __init__(self, device: DeviceProfile, limits: EngineLimits, clock: _Clock,
-                 finish: Callable[[_Req], None]) -> None:
+                 finish: Callable[[_Seq], None]) -> None:
         self.device = device
         self.limits = limits
         self.clock = clock
         self.finish = finish
-        self.waiting: deque[_Req] = deque()
-        self.running: list[_Req] = []
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
 
     @property
     def load(self) -> int:
@@ -308,7 +468,7 @@ class _Decoder:
         still = []
         for s in self.running:
             s.generated += 1
-            if s.generated >= s.arrival.output_len:
+            if s.generated >= s.output_len:
                 s.finished_at = now
                 self.finish(s)
             else:
@@ -317,66 +477,73 @@ class _Decoder:
 
 
 class _SplitRun:
-    """The split app's replicas on a clock: prefill batches, the KV hop, decode batches."""
+    """The split app's replicas on a clock: prefill passes, the KV hop, decode batches."""
 
-    def __init__(self, sysm: SplitSystem, clock: _Clock, finish: Callable[[_Req], None]) -> None:
+    def __init__(self, sysm: SplitSystem, clock: _Clock, finish: Callable[[_Seq], None]) -> None:
         self.sysm, self.limits, self.clock, self.finish = sysm, sysm.limits, clock, finish
         self.prefill_busy = [_Busy() for _ in range(sysm.num_prefill)]
         self.decode_busy = [_Busy() for _ in range(sysm.num_decode)]
-        self.prefill_queues: list[deque[_Req]] = [deque() for _ in range(sysm.num_prefill)]
-        self.prefilling = [False] * sysm.num_prefill
+        self.prefills = [_PrefillQueue(sysm.prefill, sysm.limits)
+                         for _ in range(sysm.num_prefill)]
         self.decoders = [_Decoder(sysm.decode, sysm.limits, clock, finish)
                          for _ in range(sysm.num_decode)]
         self.decoding = [False] * sysm.num_decode
+        self.homes = random.Random(0)  # each prompt's rendezvous-hash home replica
 
     def schedule_arrivals(self, arrivals: Iterable[Arrival]) -> None:
         overhead = self.sysm.prefill.request_overhead_s
-        for a in arrivals:
-            r = _Req(a, a.at)
+        for uid, a in enumerate(arrivals):
+            r = _Req(a, a.at, uid)
             self.clock.at(a.at + overhead, lambda r=r: self.request_arrive(r))
 
     def busy_devices(self) -> list[tuple[DeviceProfile, _Busy]]:
         return ([(self.sysm.prefill, b) for b in self.prefill_busy]
                 + [(self.sysm.decode, b) for b in self.decode_busy])
 
-    def _least_loaded_prefill(self) -> int:
-        pq, busy = self.prefill_queues, self.prefilling
-        return min(range(len(pq)), key=lambda k: (sum(x.arrival.input_len for x in pq[k])
-                                                  + (1 << 30) * busy[k]))
+    def _route_prefill(self) -> int:
+        qs = self.prefills
+        least = min(range(len(qs)), key=lambda k: (len(qs[k]), qs[k].tokens))
+        if self.limits.prefill_routing == "least_loaded" or len(qs) == 1:
+            return least
+        home = self.homes.randrange(len(qs))
+        if len(qs[home]) - len(qs[least]) > self.limits.affinity_imbalance:
+            return least
+        return home
 
     def request_arrive(self, r: _Req) -> None:
-        i = self._least_loaded_prefill()
-        self.prefill_queues[i].append(r)
-        if not self.prefilling[i]:
-            self.prefilling[i] = True
+        i = self._route_prefill()
+        q = self.prefills[i]
+        q.add(r, self.clock.now)
+        if q.idle:
+            q.idle = False
             self.clock.at(self.clock.now + self.limits.batch_wait_s,
                           lambda: self.prefill_start(i))
 
     def prefill_start(self, i: int) -> None:
-        lim = self.limits
-        batch = _take_batch(self.prefill_queues[i], lim.token_budget)
-        if not batch:
-            self.prefilling[i] = False
+        q = self.prefills[i]
+        rows = q.plan(self.clock.now)
+        if not rows:
+            q.idle = True
             return
-        cost = sum(_prefill_pass_s(self.sysm.prefill, b)
-                   for b in _plan_batches(batch, lim.token_budget, lim.prefill_max_rows))
+        cost = q.pass_s(rows)
         self.prefill_busy[i].prefill_s += cost
-        self.clock.at(self.clock.now + cost, lambda: self.prefill_end(i, batch))
+        self.clock.at(self.clock.now + cost, lambda: self.prefill_end(i, rows))
 
-    def prefill_end(self, i: int, batch: list[_Req]) -> None:
-        """Every package of the batch leaves together; each hops to decode on its own."""
+    def prefill_end(self, i: int, rows: list[_Req]) -> None:
+        """Each prompt this pass finished leaves; each answer hops to decode on its own."""
         dev = self.sysm.prefill
-        for r in batch:
+        for r in self.prefills[i].advance(rows):
             hop = dev.hop_s(r.arrival.input_len * dev.kv_bytes_per_token)
-            self.clock.at(self.clock.now + hop, lambda r=r: self.decode_arrive(r))
+            for s in _answers(r):
+                self.clock.at(self.clock.now + hop, lambda s=s: self.decode_arrive(s))
         self.prefill_start(i)
 
-    def decode_arrive(self, r: _Req) -> None:
-        if r.first_token(self.clock.now):
-            self.finish(r)
+    def decode_arrive(self, s: _Seq) -> None:
+        if s.first_token(self.clock.now):
+            self.finish(s)
             return
         j = min(range(len(self.decoders)), key=lambda k: self.decoders[k].load)
-        self.decoders[j].waiting.append(r)
+        self.decoders[j].waiting.append(s)
         if not self.decoding[j]:
             self.decoding[j] = True
             # after the other events of this instant: sequences that arrive together
@@ -389,79 +556,121 @@ class _SplitRun:
 
 
 class _ColocatedRun:
-    """The colocated replicas on a clock: one device per replica runs prefill passes between
-    decode steps (``interleave``) or mixes prompt chunks into every step (``chunked``)."""
+    """The colocated replicas on a clock: one device per replica alternates prefill passes
+    with decode steps (``interleave``) or mixes prompt chunks into every step
+    (``chunked``)."""
 
     def __init__(self, sysm: ColocatedSystem, clock: _Clock,
-                 finish: Callable[[_Req], None]) -> None:
+                 finish: Callable[[_Seq], None]) -> None:
         self.sysm, self.limits, self.device = sysm, sysm.limits, sysm.device
         self.clock, self.finish = clock, finish
         n = sysm.num_replicas
         self.busy = [_Busy() for _ in range(n)]
-        self.prefill_queues: list[deque[_Req]] = [deque() for _ in range(n)]
+        self.prefills = [_PrefillQueue(sysm.device, sysm.limits) for _ in range(n)]
+        self.mixed_queues: list[deque[_Req]] = [deque() for _ in range(n)]  # chunked
         self.decoders = [_Decoder(sysm.device, sysm.limits, clock, finish) for _ in range(n)]
         self.active = [False] * n
-        self.prefilled: dict[int, int] = {}  # chunked: prompt tokens done, by id(request)
+        self.ready_at = [0.0] * n  # interleave: the prefill loop's wake-up wait ends
+        self.last_was_prefill = [False] * n
 
     def schedule_arrivals(self, arrivals: Iterable[Arrival]) -> None:
         overhead = self.device.request_overhead_s
-        for a in arrivals:
-            r = _Req(a, a.at)
+        for uid, a in enumerate(arrivals):
+            r = _Req(a, a.at, uid)
             self.clock.at(a.at + overhead, lambda r=r: self.request_arrive(r))
 
     def busy_devices(self) -> list[tuple[DeviceProfile, _Busy]]:
         return [(self.device, b) for b in self.busy]
 
+    def _waiting_prompts(self, k: int) -> int:
+        return len(self.prefills[k]) + len(self.mixed_queues[k])
+
     def request_arrive(self, r: _Req) -> None:
         n = len(self.decoders)
-        i = min(range(n), key=lambda k: self.decoders[k].load + len(self.prefill_queues[k]))
-        self.prefill_queues[i].append(r)
+        i = min(range(n), key=lambda k: self.decoders[k].load + self._waiting_prompts(k))
+        now = self.clock.now
+        if self.sysm.policy == "chunked":
+            r.done = r.arrival.cached_len
+            self.mixed_queues[i].append(r)
+            if not self.active[i]:
+                self.active[i] = True
+                self.clock.at(now + self.limits.batch_wait_s, lambda: self.next_pass(i))
+            return
+        q = self.prefills[i]
+        q.add(r, now)
+        if q.idle:
+            q.idle = False
+            self.ready_at[i] = now + self.limits.batch_wait_s
+            self.clock.at(self.ready_at[i], lambda: self._wake(i))
+
+    def _wake(self, i: int) -> None:
         if not self.active[i]:
             self.active[i] = True
-            self.clock.at(self.clock.now + self.limits.batch_wait_s, lambda: self.next_pass(i))
+            self.next_pass(i)
 
     def next_pass(self, i: int) -> None:
-        """What replica ``i`` runs next: waiting prompts first, else a decode step."""
-        if self.sysm.policy == "interleave" and self.prefill_queues[i]:
-            self._start_prefill_batch(i)
+        """What replica ``i`` runs next."""
+        if self.sysm.policy == "chunked":
+            if self.mixed_queues[i]:
+                self._mixed_pass(i)
+            elif not self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i)):
+                self.active[i] = False
             return
-        if self.sysm.policy == "chunked" and self.prefill_queues[i]:
-            self._mixed_pass(i)
-            return
-        if not self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i)):
-            self.active[i] = False
-
-    def _to_decode(self, i: int, r: _Req) -> None:
-        if r.first_token(self.clock.now):
-            self.finish(r)
+        # interleave: the engine thread runs what was submitted first; while both loops
+        # have work, a prefill pass and a decode step take turns
+        q = self.prefills[i]
+        prefill_ready = len(q) > 0 and self.clock.now >= self.ready_at[i]
+        if prefill_ready and not self.last_was_prefill[i]:
+            self._prefill_pass(i)
+        elif self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i)):
+            self.last_was_prefill[i] = False
+        elif prefill_ready:
+            self._prefill_pass(i)
         else:
-            self.decoders[i].waiting.append(r)
+            self.active[i] = False  # a prompt still in its wake-up wait restarts it
+
+    def _answers_out(self, i: int, r: _Req) -> None:
+        """A prompt's prefill ended on replica ``i``: its answer decodes there (``n = 1``) or
+        each answer on the least loaded replica, through the object store."""
+        for s in _answers(r):
+            j = i
+            if r.arrival.n > 1:
+                j = min(range(len(self.decoders)), key=lambda k: (self.decoders[k].load, k != i))
+            if j == i:
+                self._to_decode(j, s)
+            else:
+                hop = self.device.hop_s(r.arrival.input_len * self.device.kv_bytes_per_token)
+                self.clock.at(self.clock.now + hop, lambda j=j, s=s: self._to_other(j, s))
+
+    def _to_decode(self, i: int, s: _Seq) -> None:
+        if s.first_token(self.clock.now):
+            self.finish(s)
+        else:
+            self.decoders[i].waiting.append(s)
+
+    def _to_other(self, j: int, s: _Seq) -> None:
+        self._to_decode(j, s)
+        if not self.active[j]:
+            self.active[j] = True
+            self.next_pass(j)
 
     # -- interleave ---------------------------------------------------------------------------
 
-    def _start_prefill_batch(self, i: int) -> None:
-        lim = self.limits
-        batch = _take_batch(self.prefill_queues[i], lim.token_budget)
-        self._prefill_pass(i, batch, _plan_batches(batch, lim.token_budget,
-                                                   lim.prefill_max_rows))
-
-    def _prefill_pass(self, i: int, batch: list[_Req], passes: list[list[_Req]]) -> None:
-        # the batch's passes hold the model one after another; a decode step may slip in
-        # between two of them (the runner's lock is taken per pass)
-        cost = _prefill_pass_s(self.device, passes[0])
+    def _prefill_pass(self, i: int) -> None:
+        q = self.prefills[i]
+        rows = q.plan(self.clock.now)
+        cost = q.pass_s(rows)
         self.busy[i].prefill_s += cost
-        self.clock.at(self.clock.now + cost,
-                      lambda: self._after_prefill_pass(i, batch, passes[1:]))
+        self.last_was_prefill[i] = True
+        self.clock.at(self.clock.now + cost, lambda: self._after_prefill_pass(i, rows))
 
-    def _after_prefill_pass(self, i: int, batch: list[_Req], rest: list[list[_Req]]) -> None:
-        if not rest:
-            for r in batch:
-                self._to_decode(i, r)
-            self.next_pass(i)
-            return
-        if not self.decoders[i].start_step(self.busy[i],
-                                           lambda: self._prefill_pass(i, batch, rest)):
-            self._prefill_pass(i, batch, rest)
+    def _after_prefill_pass(self, i: int, rows: list[_Req]) -> None:
+        q = self.prefills[i]
+        for r in q.advance(rows):
+            self._answers_out(i, r)
+        if not len(q):
+            q.idle = True
+        self.next_pass(i)
 
     # -- chunked ------------------------------------------------------------------------------
 
@@ -470,19 +679,17 @@ class _ColocatedRun:
         # to chunk_tokens (prompts progress one after another)
         dec = self.decoders[i]
         dec.admit()
-        r = self.prefill_queues[i][0]
-        done_tokens = self.prefilled.get(id(r), 0)
-        chunk = min(self.sysm.chunk_tokens, r.arrival.input_len - done_tokens)
-        ctx = done_tokens + chunk
-        cost = self._mixed_pass_s(dec, chunk, ctx)
+        r = self.mixed_queues[i][0]
+        chunk = min(self.sysm.chunk_tokens, r.remaining)
+        cost = self._mixed_pass_s(dec, chunk, r.done)
         self.busy[i].prefill_s += cost
-        self.clock.at(self.clock.now + cost, lambda: self._after_mixed_pass(i, r, ctx))
+        self.clock.at(self.clock.now + cost, lambda: self._after_mixed_pass(i, r, chunk))
 
-    def _mixed_pass_s(self, dec: _Decoder, chunk: int, ctx: int) -> float:
-        """A prompt chunk of ``chunk`` tokens (context ``ctx``) plus a step of ``dec``'s
-        running sequences in one pass: compute and memory terms add up."""
+    def _mixed_pass_s(self, dec: _Decoder, chunk: int, past: int) -> float:
+        """A prompt chunk of ``chunk`` tokens after ``past`` positions plus a step of
+        ``dec``'s running sequences in one pass: compute and memory terms add up."""
         dev = self.device
-        p_compute = dev.prefill.compute(chunk, chunk * ctx)
+        p_compute = dev.prefill.compute(chunk, chunk * (chunk + 2 * past))
         p_memory = dev.prefill.memory(chunk, 0.0) - dev.prefill.memory.c0
         if dec.running:
             b, ctx_tokens = len(dec.running), dec.attended()
@@ -492,16 +699,14 @@ class _ColocatedRun:
             d_compute, d_memory = 0.0, dev.prefill.memory.c0
         return dev.decode.overhead_s + max(p_compute + d_compute, p_memory + d_memory)
 
-    def _after_mixed_pass(self, i: int, r: _Req, ctx: int) -> None:
+    def _after_mixed_pass(self, i: int, r: _Req, chunk: int) -> None:
         dec = self.decoders[i]
         if dec.running:
             dec.end_step()
-        if ctx >= r.arrival.input_len:
-            self.prefill_queues[i].popleft()
-            self.prefilled.pop(id(r), None)
-            self._to_decode(i, r)
-        else:
-            self.prefilled[id(r)] = ctx
+        r.done += chunk
+        if not r.remaining:
+            self.mixed_queues[i].popleft()
+            self._answers_out(i, r)
         self.next_pass(i)
 
 
@@ -524,17 +729,59 @@ class Simulation:
         self.clock.run()
         return SimResult.build(self.system, self.done, replicas.busy_devices())
 
-    def _finish(self, r: _Req) -> None:
-        self.done.append(r)
+    def _finish(self, s: _Seq) -> None:
+        s.req.finished += 1
+        if s.req.finished == s.req.arrival.n:
+            self.done.append(s.req)
 
 
 # ---- results ----------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
+class SimRecord(RequestRecord):
+    """A simulated request. With several answers: ``output_tokens`` counts every answer's,
+    ``ttft_s`` is the worst answer's first token, ``e2e_s`` the last answer's end and
+    ``tpot_s`` the worst answer's TPOT, so the request meets an SLO exactly when every
+    answer does."""
+
+    answers: int = 1
+    answer_tokens: int = 0  # each answer's output tokens
+    worst_tpot_s: float | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.answers == 1:
+            return tpot(self.e2e_s, self.ttft_s, self.output_tokens)
+        return self.worst_tpot_s
+
+
+def meets_all_slos(record: RequestRecord, slos: dict[str, float]) -> bool:
+    """``load_tests.metrics.meets_slos``, answer by answer for a request of several."""
+    if isinstance(record, SimRecord) and record.answers > 1 and record.answer_tokens < 2:
+        slos = {k: v for k, v in slos.items() if k != "tpot"}  # no answer has a TPOT
+    return meets_slos(record, slos)
+
+
+def _record(r: _Req) -> SimRecord:
+    a = r.arrival
+    firsts = [s.first_token_at for s in r.answers]
+    ends = [s.finished_at for s in r.answers]
+    assert None not in firsts and None not in ends
+    tpots = [tpot(e - r.sent_at, f - r.sent_at, a.output_len)  # type: ignore[operator]
+             for f, e in zip(firsts, ends, strict=True)]
+    known = [t for t in tpots if t is not None]
+    return SimRecord(
+        a.request_class, r.sent_at, prompt_tokens=a.input_len,
+        output_tokens=a.output_len * a.n, ttft_s=max(firsts) - r.sent_at,  # type: ignore[type-var]
+        e2e_s=max(ends) - r.sent_at, ok=True,  # type: ignore[type-var]
+        answers=a.n, answer_tokens=a.output_len, worst_tpot_s=max(known) if known else None)
+
+
+@dataclass(slots=True)
 class SimResult:
     system: str
-    records: list[RequestRecord]
+    records: list[SimRecord]
     duration_s: float
     price_per_hour: float
     energy_j: float
@@ -542,14 +789,10 @@ class SimResult:
     @classmethod
     def build(cls, system: System, done: Iterable[_Req],
               busy: list[tuple[DeviceProfile, _Busy]]) -> SimResult:
-        records = []
-        for r in sorted(done, key=lambda r: r.sent_at):
-            assert r.first_token_at is not None and r.finished_at is not None
-            records.append(RequestRecord(
-                r.arrival.request_class, r.sent_at, prompt_tokens=r.arrival.input_len,
-                output_tokens=r.arrival.output_len, ttft_s=r.first_token_at - r.sent_at,
-                e2e_s=r.finished_at - r.sent_at, ok=True))
-        end = max((r.finished_at for r in done if r.finished_at is not None), default=0.0)
+        done = sorted(done, key=lambda r: (r.sent_at, r.uid))
+        records = [_record(r) for r in done]
+        end = max((r.sent_at + (rec.e2e_s or 0.0) for r, rec in zip(done, records, strict=True)),
+                  default=0.0)
         duration = max(end, 1e-9)
         energy = 0.0
         for dev, b in busy:
@@ -560,6 +803,10 @@ class SimResult:
 
     def summary(self, slos: dict[str, float] | None = None) -> dict[str, Any]:
         s = summarize(self.records, self.duration_s, slos)
+        if slos and any(r.answers > 1 for r in self.records):
+            good = sum(1 for r in self.records if meets_all_slos(r, slos))
+            s.update(good_requests=good, goodput=good / self.duration_s,
+                     good_fraction=good / len(self.records) if self.records else None)
         tokens = s["output_tokens"]
         cost = self.price_per_hour * self.duration_s / 3600.0
         s.update({

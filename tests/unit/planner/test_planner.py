@@ -166,7 +166,7 @@ def test_single_request_split_equals_the_service_times():
     dev = device(hop_latency=0.004, hop_gbs=1.0, overhead=0.003)
     lim = EngineLimits(batch_wait_s=0.005, padded_kv=False)
     r = simulate(SplitSystem(dev, dev, 1, 1, lim), [Arrival(0.0, 500, 11)]).records[0]
-    prefill = 0.01 + 0.001 * 500
+    prefill = 2 * 0.01 + 0.001 * 500  # two passes: chunks of 256 and 244 tokens
     hop = 0.004 + 500 * 1000 / 1e9
     assert r.ttft_s == pytest.approx(0.003 + 0.005 + prefill + hop)
     assert r.tpot_s == pytest.approx(0.02)  # 10 decode steps for tokens 2..11
@@ -203,19 +203,20 @@ def test_queueing_grows_as_load_nears_capacity():
     assert s["ttft_ms"]["mean"] == pytest.approx(750, rel=0.08)
 
 
-def test_prefill_batches_share_one_pass_and_add_replicas_parallelize():
+def test_prefill_passes_share_rows_and_add_replicas_parallelize():
     dev = device(prefill_base=0.1, prefill_per_token=0.0)
     arrivals = [Arrival(0.0, 100, 2) for _ in range(4)]
-    one = simulate(SplitSystem(dev, dev, 1, 1, NO_WAIT), arrivals).records
+    whole = EngineLimits(batch_wait_s=0.0, padded_kv=False, prefill_chunk_tokens=4096)
+    one = simulate(SplitSystem(dev, dev, 1, 1, whole), arrivals).records
     # all four arrive together: one padded pass of 4 rows, everyone's first token at 0.1 s
     assert [r.ttft_s for r in one] == pytest.approx([0.1] * 4)
-    # one row per pass: the four passes run in turn, but @serve.batch returns the batch's
-    # packages together when its last pass ends
-    lim = EngineLimits(prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
-    together = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
-    assert [r.ttft_s for r in together] == pytest.approx([0.4] * 4)
-    # a token budget of one prompt: each Serve batch is one request, returned on its own
-    lim = EngineLimits(token_budget=100, prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
+    # a pass computes at most prefill_chunk_tokens (256): two rows of 100 per pass, and
+    # each prompt's package leaves when its own pass ends
+    chunked = simulate(SplitSystem(dev, dev, 1, 1, NO_WAIT), arrivals).records
+    assert sorted(r.ttft_s for r in chunked) == pytest.approx([0.1, 0.1, 0.2, 0.2])
+    # one row per pass: the passes run in turn
+    lim = EngineLimits(prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False,
+                       prefill_routing="least_loaded")
     serial = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
     assert sorted(r.ttft_s for r in serial) == pytest.approx([0.1, 0.2, 0.3, 0.4])
     two = simulate(SplitSystem(dev, dev, 2, 1, lim), arrivals).records
@@ -342,9 +343,10 @@ def test_cli_simulate_runs(capsys):
 def test_padded_batch_attends_rows_times_longest_paged_attends_each_context():
     dev = DeviceProfile("ctx", PassCost(0.0, Linear(0.0, 0.0, 0.0)),
                         PassCost(0.0, Linear(0.0, 0.0, 1e-4)), 0, 1 << 20)
-    arrivals = [Arrival(0.0, 100, 2), Arrival(0.0, 1000, 2)]
-    for pow2, expected in ((True, 2 * 1001 * 1e-4), (False, (101 + 1001) * 1e-4)):
-        lim = EngineLimits(batch_wait_s=0.0, padded_kv=pow2)
+    # one prefill pass (prompts of 900 and 1000 tokens share it: padding under a quarter)
+    arrivals = [Arrival(0.0, 900, 2), Arrival(0.0, 1000, 2)]
+    for pow2, expected in ((True, 2 * 1001 * 1e-4), (False, (901 + 1001) * 1e-4)):
+        lim = EngineLimits(batch_wait_s=0.0, padded_kv=pow2, prefill_chunk_tokens=4096)
         recs = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
         assert [r.e2e_s - r.ttft_s for r in recs] == pytest.approx([expected] * 2)
 
@@ -396,3 +398,160 @@ def test_stack_fit_adds_per_step_streaming_cost_and_request_overhead():
                      [Arrival(0.0, 64, 5)]).records
     assert rec.tpot_s == pytest.approx(fitted.decode_s(1, 70), rel=0.05)
     assert rec.tpot_s > dev.decode_s(1, 70) + 0.007
+
+
+# ---- chunked prefill, prefix cache, several answers (issue 14) ----------------------------
+
+
+def _ttft_of(records, prompt_tokens):
+    return next(r.ttft_s for r in records if r.prompt_tokens == prompt_tokens)
+
+
+@pytest.mark.parametrize("kind", ["split", "colocated"])
+def test_chunked_prefill_lets_a_short_prompt_pass_a_long_one(kind):
+    """A 64-token chat that arrives 0.1 s into a 2048-token document's prefill joins the
+    next pass (shortest remaining first) and waits for one 256-token chunk, not for the
+    whole document."""
+    dev = device(prefill_base=0.0, prefill_per_token=0.001, step=0.001)
+    arrivals = [Arrival(0.0, 2048, 2), Arrival(0.1, 64, 2)]
+
+    def system(chunk):
+        lim = EngineLimits(batch_wait_s=0.0, padded_kv=False, prefill_chunk_tokens=chunk)
+        if kind == "split":
+            return SplitSystem(dev, dev, 1, 1, lim)
+        return ColocatedSystem(dev, 1, lim)
+
+    chunked = simulate(system(256), arrivals).records
+    whole = simulate(system(4096), arrivals).records
+    # chunked: the document's first chunk ends at 0.256 s, the chat's own pass at 0.320 s
+    assert _ttft_of(chunked, 64) == pytest.approx(0.320 - 0.1, abs=0.002)
+    # whole prompts: the chat waits for the 2.048 s document pass
+    assert _ttft_of(whole, 64) == pytest.approx(2.048 + 0.064 - 0.1, abs=0.002)
+    # the document pays for the chat's pass (and, colocated, for the chat's decode step)
+    assert _ttft_of(chunked, 2048) == pytest.approx(2.048 + 0.064, abs=0.002)
+
+
+def test_fairness_bound_keeps_a_long_prompt_from_starving():
+    """Short prompts arriving faster than one replica prefills them would keep a long
+    prompt waiting forever under shortest-first alone; once it has waited
+    prefill_fairness_s it leads every other pass."""
+    dev = device(prefill_base=0.0, prefill_per_token=0.001)
+    shorts = [Arrival(0.05 * k, 64, 2) for k in range(200)]  # 10 s of 64-token chats
+    arrivals = [Arrival(0.0, 1024, 2), *shorts]
+
+    def long_ttft(fairness_s):
+        lim = EngineLimits(batch_wait_s=0.0, padded_kv=False, prefill_fairness_s=fairness_s)
+        return _ttft_of(simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records, 1024)
+
+    # 4 chunks of 256, each leading every other pass (the others: 4 chats of 64) from 1 s on
+    assert long_ttft(1.0) < 1.0 + 8 * 0.256 + 0.1
+    assert long_ttft(1e9) > 10.0  # starved until the chats stop coming
+    # the chats still get every other pass: the fair run serves every one of them
+    lim = EngineLimits(batch_wait_s=0.0, padded_kv=False, prefill_fairness_s=1.0)
+    assert len(simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records) == 201
+
+
+def test_cached_prefix_is_whole_blocks_and_leaves_a_token_to_compute():
+    from planner.simulator import cached_prefix
+
+    assert cached_prefix(1024, 0.5) == 512
+    assert cached_prefix(1000, 0.5) == 496  # 31 blocks of 16
+    assert cached_prefix(1024, 1.0) == 1008  # the last block holds the last token
+    assert cached_prefix(16, 1.0) == 0 and cached_prefix(1024, 0.0) == 0
+    w = Workload(1.0, LengthDist.fixed(1024), LengthDist.fixed(4), 5, prefix_hit_rate=0.5)
+    assert {a.cached_len for a in w.arrivals()} == {512}
+    # the same draws as without a hit rate: only the cached prefix differs
+    plain = Workload(1.0, LengthDist.parse("lognormal:500:0.5"), LengthDist.fixed(4), 20)
+    hit = Workload(1.0, LengthDist.parse("lognormal:500:0.5"), LengthDist.fixed(4), 20,
+                   prefix_hit_rate=0.5)
+    assert [(a.at, a.input_len) for a in plain.arrivals()] == \
+        [(a.at, a.input_len) for a in hit.arrivals()]
+
+
+@pytest.mark.parametrize("kind", ["split", "colocated"])
+def test_prefix_hit_rate_of_half_halves_prefill_compute(kind):
+    """Half the prompt cached: half the prefill compute (and energy); the KV hop still
+    carries the whole prompt and decode still holds and attends to all of it."""
+    dev = DeviceProfile("d", PassCost(0.0, Linear(0.0, 0.001, 0.0)),
+                        PassCost(0.0, Linear(0.01, 0.0, 1e-5)), 1000, 1 << 20,
+                        hop_latency_s=0.0, hop_gbs=0.001, power_prefill_w=100.0)
+    lim = EngineLimits(batch_wait_s=0.0, padded_kv=False)
+    system = (SplitSystem(dev, dev, 1, 1, lim) if kind == "split"
+              else ColocatedSystem(dev, 1, lim))
+    cold = simulate(system, [Arrival(0.0, 1024, 3)])
+    warm = simulate(system, [Arrival(0.0, 1024, 3).with_prefix_hit_rate(0.5)])
+    hop = 1024 * 1000 / 1e6 if kind == "split" else 0.0  # the whole prompt, 1.024 s
+    assert cold.records[0].ttft_s == pytest.approx(1.024 + hop)
+    assert warm.records[0].ttft_s == pytest.approx(0.512 + hop)
+    assert warm.energy_j == pytest.approx(cold.energy_j / 2)  # only prefill draws power
+    # decode attends to the whole prompt either way: 0.01 + 1e-5 x context per step
+    assert warm.records[0].tpot_s == pytest.approx(cold.records[0].tpot_s)
+    assert warm.records[0].tpot_s == pytest.approx(0.01 + 1e-5 * 1025.5)
+
+
+@pytest.mark.parametrize("kind", ["split", "colocated"])
+def test_n_answers_cost_one_prefill_and_n_decode_sequences(kind):
+    """n = 4: the prompt is prefilled once (same prefill time and energy as n = 1) and
+    four sequences decode (a step of batch 4, four answers' tokens)."""
+    dev = DeviceProfile("d", PassCost(0.0, Linear(0.0, 0.001, 0.0)),
+                        PassCost(0.0, Linear(0.01, 0.005, 0.0)), 1000, 1 << 20,
+                        hop_gbs=1e9, power_prefill_w=100.0)
+    lim = EngineLimits(batch_wait_s=0.0, padded_kv=False)
+    system = (SplitSystem(dev, dev, 1, 1, lim) if kind == "split"
+              else ColocatedSystem(dev, 1, lim))
+    one = simulate(system, [Arrival(0.0, 500, 5)])
+    four = simulate(system, [Arrival(0.0, 500, 5, n=4)])
+    [r1], [r4] = one.records, four.records
+    assert r4.ttft_s == pytest.approx(r1.ttft_s) == pytest.approx(0.5)
+    assert r4.output_tokens == 20 and r1.output_tokens == 5
+    assert r1.tpot_s == pytest.approx(0.015)  # a step of one sequence
+    assert r4.tpot_s == pytest.approx(0.03)  # a step of four
+    # prefill energy: one 0.5 s prefill at 100 W either way (decode draws nothing here)
+    assert four.energy_j == pytest.approx(one.energy_j) == pytest.approx(50.0)
+    s = four.summary({"tpot": 20})
+    assert s["good_requests"] == 0 and one.summary({"tpot": 20})["good_requests"] == 1
+
+
+def test_a_request_of_several_answers_is_good_only_when_every_answer_is():
+    """Room for one sequence per decode batch: the second answer waits for the first, so
+    its TPOT is twice the step; the request's TPOT is the worst answer's."""
+    dev = device(prefill_base=0.0, prefill_per_token=0.001, step=0.02)
+    lim = EngineLimits(max_batch_size=1, batch_wait_s=0.0, padded_kv=False)
+    res = simulate(SplitSystem(dev, dev, 1, 1, lim), [Arrival(0.0, 100, 5, n=2)])
+    [rec] = res.records
+    assert rec.ttft_s == pytest.approx(0.1)
+    assert rec.tpot_s == pytest.approx(2 * 0.02)  # (8 steps) / 4 tokens
+    assert rec.e2e_s == pytest.approx(0.1 + 8 * 0.02)
+    assert res.summary({"tpot": 30})["good_requests"] == 0
+    assert res.summary({"tpot": 50})["good_requests"] == 1
+    # two colocated replicas: the second answer decodes on the idle one, its first token
+    # after the KV hop there; the request's TTFT is that answer's
+    far = device(prefill_base=0.0, prefill_per_token=0.001, step=0.02, hop_latency=0.05)
+    [rec] = simulate(ColocatedSystem(far, 2, lim), [Arrival(0.0, 100, 5, n=2)]).records
+    assert rec.ttft_s == pytest.approx(0.1 + 0.05)
+    assert rec.tpot_s == pytest.approx(0.02)  # each answer has a batch to itself
+    # one-token answers have no TPOT, so a TPOT bound does not exclude them
+    single = simulate(SplitSystem(dev, dev, 1, 1, lim), [Arrival(0.0, 100, 1, n=3)])
+    assert single.records[0].output_tokens == 3
+    assert single.summary({"tpot": 1, "ttft": 200})["good_requests"] == 1
+
+
+def test_cli_takes_prefix_hit_rate_n_and_prefill_chunk(capsys):
+    base = ["simulate", "--model", "llama-3.1-8b", "--prefill", "H100", "--decode", "H100",
+            "--num-requests", "40", "--rate", "2", "--kv-layout", "paged",
+            "--max-batch-size", "64", "--input-len", "4096", "--output-len", "16"]
+
+    def figures(*extra):
+        assert planner_main([*base, *extra]) == 0
+        out = capsys.readouterr().out
+        ttft = float(out.split("ttft  p50")[1].split()[0])
+        tokens = float(out.split("req/s, ")[1].split(" tok/s")[0])
+        return ttft, tokens
+
+    plain_ttft, plain_tokens = figures()
+    hit_ttft, _ = figures("--prefix-hit-rate", "0.5")
+    assert hit_ttft < 0.7 * plain_ttft
+    _, n_tokens = figures("--n", "4")
+    assert n_tokens == pytest.approx(4 * plain_tokens, rel=0.1)
+    whole_ttft, _ = figures("--prefill-chunk", "8192")
+    assert whole_ttft < plain_ttft  # one pass instead of two: one pass base fewer
