@@ -195,6 +195,11 @@ class IngressArgs(_Deployment):
     api_key: str | None = Field(
         None, description="If set (or if the SPLITSERVE_API_KEY environment variable is set "
         "in the ingress replica), every route but /health needs 'Authorization: Bearer KEY'.")
+    max_queue_wait_s: float | None = Field(
+        None, gt=0, description="Load shedding: a request whose estimated wait for its first "
+        "token (answers waiting here / first tokens per second lately) is over this gets 429 "
+        "with Retry-After at once (deployments.admission). None: no estimate, requests queue "
+        "until request_timeout_s, as vLLM's do.")
     kv_in_flight_bytes: int | None = Field(
         None, ge=1, description="KV package bytes this ingress replica lets into the object "
         "store: a package stays there from its prefill until its decode stream ends (Ray "

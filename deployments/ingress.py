@@ -43,6 +43,7 @@ from app.protocol import (
     new_id,
 )
 from app.sequence import validate_prompt
+from deployments.admission import QueueWait
 from deployments.args import AppArgs
 from deployments.kv_budget import KVBudget, budget_from_cluster
 from deployments.metrics import IngressMetrics
@@ -88,6 +89,8 @@ class Ingress:
         self.prompts = PromptBuilder(self.tokenizer)
         self.shape = read_model_shape(self.args.engine)
         self.kv_budget = self.make_kv_budget() if prefill is not None else None
+        wait = self.args.ingress.max_queue_wait_s
+        self.admission = QueueWait(wait) if wait is not None else None
         self.path = SplitPath(
             prefill, decode, local_prefill_threshold=self.args.local_prefill_threshold,
             request_timeout_s=self.args.request_timeout_s, max_retries=self.args.max_retries,
@@ -115,8 +118,14 @@ class Ingress:
 
     def stats(self) -> dict[str, Any]:
         """What this ingress replica holds now: answers in flight and the KV budget."""
-        return {"in_flight": self.in_flight,
-                **(self.kv_budget.stats() if self.kv_budget is not None else {})}
+        out: dict[str, Any] = {"in_flight": self.in_flight}
+        if self.kv_budget is not None:
+            out.update(self.kv_budget.stats())
+        if self.admission is not None:
+            out.update(waiting_first_token=self.admission.waiting,
+                       refused_for_wait=self.admission.refused,
+                       estimated_wait_s=self.admission.estimate_s())
+        return out
 
     # ---- request preparation -------------------------------------------------------------
 
@@ -166,6 +175,8 @@ class Ingress:
             raise QueueFullError(
                 f"the server is at capacity ({self.in_flight} requests in flight); retry later",
                 retry_after_s=1.0)
+        if self.admission is not None:
+            self.admission.admit()
         self.check_model(req.model)
         if isinstance(req, ChatCompletionRequest):
             ids = self.prompts.encode_chat(req.message_dicts())
@@ -195,12 +206,16 @@ class Ingress:
         trace = trace or RequestTrace()
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
+        if self.admission is not None:
+            self.admission.entered()
         outcome = "cancelled"  # the client left before the end (the generator was closed)
         finish = None
         try:
             async for delta in text_deltas(self.path.resumable_stream(preq, trace, shared),
                                            self.tokenizer, preq.sampling):
                 previous = trace.last_token
+                if previous is None and self.admission is not None:
+                    self.admission.first_token()
                 trace.token(len(delta.token_ids))
                 self.record_tokens(trace, previous, len(delta.token_ids))
                 finish = delta.finish_reason or finish
@@ -213,6 +228,8 @@ class Ingress:
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
+            if trace.last_token is None and self.admission is not None:
+                self.admission.left_without_token()
             self.history.add(preq.request_id, preq.num_tokens, trace)
             self.record_answer(endpoint, preq, trace, outcome, finish)
 

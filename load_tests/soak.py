@@ -2,7 +2,8 @@
 
 Starts the three-node test cluster (``tests.cluster.split_topology``: ingress on the head, one
 prefill and one decode node, 120 MB object stores), deploys the split app with its default
-engine settings, and runs four phases of W-short requests (64-token prompts, 64 output tokens,
+engine settings and the load shedding of the cluster manifests (``--max-queue-wait-s``), and
+runs four phases of W-short requests (64-token prompts, 64 output tokens,
 ``/v1/completions``, streamed, greedy, ``ignore_eos``):
 
 1. ``capacity``: a closed loop of ``--concurrency`` streams; its completed requests per second
@@ -291,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-s", type=float, default=300)
     p.add_argument("--client-timeout-s", type=float, default=600)
     p.add_argument("--sample-s", type=float, default=5)
+    p.add_argument("--max-queue-wait-s", type=float, default=30.0,
+                   help="the ingress's load shedding (ingress.max_queue_wait_s, as the "
+                   "cluster manifests set it); 0: off")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -300,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     from tests.cluster import phase_args, split_topology, wait_ready
 
     with split_topology() as topo:
-        serve.run(build_app(phase_args()), name="soak", route_prefix="/", blocking=False)
+        wait = args.max_queue_wait_s or None
+        serve.run(build_app(phase_args(ingress={"max_queue_wait_s": wait})), name="soak",
+                  route_prefix="/", blocking=False)
         wait_ready(topo.url)
         samples: list[Sample] = []
         stop = threading.Event()
