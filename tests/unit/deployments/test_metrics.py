@@ -108,6 +108,7 @@ def _ingress(tokenizer, path: _Path) -> Any:
     ing.metrics = metrics.IngressMetrics(MODEL)
     ing.in_flight = 0
     ing.history = TraceHistory(0)
+    ing.admission = None
     ing.args = SimpleNamespace(ingress=SimpleNamespace(max_in_flight=1))
     return ing
 
