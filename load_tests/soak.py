@@ -17,10 +17,11 @@ controller; from /proc, all on this machine) and the bytes of KV-sized objects i
 stores. It prints, per phase, requests by outcome (200, each refusal code, stream errors,
 client timeouts), how fast refusals came and whether they carried Retry-After, latency of the
 admitted requests, and at the end the memory figures and the time the app took to return to
-its baseline median TTFT. Bounded: each phase stops issuing at its end and waits at most
-``--drain-s`` for its requests; traffic goes to 127.0.0.1 only.
+its baseline median TTFT. It takes the test cluster's lock itself (never wrap it in flock).
+Bounded: each phase stops issuing at its end and waits at most ``--drain-s`` for its
+requests; traffic goes to 127.0.0.1 only.
 
-    flock /tmp/splitserve-ray-cluster.lock .venv/bin/python -m load_tests.soak \\
+    .venv/bin/python -m load_tests.soak \\
         --overload-s 180 --out load_tests/results/soak.json
 """
 
@@ -62,6 +63,7 @@ class Sample:
     at: float
     rss_mb: dict[str, float] = field(default_factory=dict)
     kv_object_mb: float = 0.0
+    prefix_cache_mb: float = 0.0  # the prefill replica's prefix cache (fills to its budget)
 
 
 def prompt(i: int) -> str:
@@ -181,13 +183,23 @@ def kv_object_mb() -> float:
     return sum(sizes.values()) / 1e6
 
 
-def sampler(stop: threading.Event, samples: list[Sample], t0: float, every_s: float) -> None:
+def prefix_cache_mb(app: str) -> float:
+    from ray import serve
+
+    stats = serve.get_deployment_handle("PrefillServer", app).stats.remote().result(
+        timeout_s=30)
+    return float(stats.get("prefix_cache_bytes", 0)) / 1e6
+
+
+def sampler(stop: threading.Event, samples: list[Sample], t0: float, every_s: float,
+            app: str) -> None:
     pids: dict[str, int] = {}
     while not stop.is_set():
         try:
             pids = serve_processes() or pids
             rss = {name: m for name, pid in pids.items() if (m := rss_mb(pid)) is not None}
-            samples.append(Sample(time.perf_counter() - t0, rss, kv_object_mb()))
+            samples.append(Sample(time.perf_counter() - t0, rss, kv_object_mb(),
+                                  prefix_cache_mb(app)))
         except Exception as exc:  # a sampling hiccup must not end the soak
             print(f"sample failed: {exc!r}")
         stop.wait(every_s)
@@ -248,7 +260,16 @@ def memory_summary(samples: list[Sample], warm_until: float) -> dict[str, Any]:
         per_process[name] = {"after_warmup_mb": round(series[0]), "peak_mb": round(max(series)),
                              "end_mb": round(series[-1]),
                              "growth_pct": round(100 * (series[-1] / series[0] - 1), 1)}
+    first, last = warm[0], warm[-1]
+    prefill = per_process.get("PrefillServer")
+    if prefill is not None and "PrefillServer" in first.rss_mb:
+        # the prefix cache fills to its budget by design: the rest is what must stay flat
+        less = (last.rss_mb["PrefillServer"] - last.prefix_cache_mb) / \
+            (first.rss_mb["PrefillServer"] - first.prefix_cache_mb)
+        prefill["growth_less_prefix_cache_pct"] = round(100 * (less - 1), 1)
     return {"rss": per_process,
+            "prefix_cache_mb": {"after_warmup": round(first.prefix_cache_mb),
+                                "end": round(last.prefix_cache_mb)},
             "kv_objects_peak_mb": round(max(s.kv_object_mb for s in samples), 1),
             "kv_objects_end_mb": round(samples[-1].kv_object_mb, 1)}
 
@@ -311,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         samples: list[Sample] = []
         stop = threading.Event()
         t0 = time.perf_counter()
-        thread = threading.Thread(target=sampler, args=(stop, samples, t0, args.sample_s))
+        thread = threading.Thread(target=sampler,
+                                  args=(stop, samples, t0, args.sample_s, "soak"))
         thread.start()
         try:
             run = asyncio.run(run_phases(args, topo.url))

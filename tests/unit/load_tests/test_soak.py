@@ -32,11 +32,15 @@ def test_recovery_is_when_five_admitted_requests_in_a_row_are_back_near_the_base
 
 
 def test_memory_growth_is_measured_from_the_end_of_warm_up():
-    samples = [Sample(0.0, {"DecodeServer": 500.0}, 0.0),
-               Sample(10.0, {"DecodeServer": 1000.0}, 40.0),
-               Sample(20.0, {"DecodeServer": 1200.0}, 0.0),
-               Sample(30.0, {"DecodeServer": 1050.0}, 0.0)]
+    samples = [Sample(0.0, {"DecodeServer": 500.0, "PrefillServer": 900.0}, 0.0, 0.0),
+               Sample(10.0, {"DecodeServer": 1000.0, "PrefillServer": 1100.0}, 40.0, 100.0),
+               Sample(20.0, {"DecodeServer": 1200.0, "PrefillServer": 1400.0}, 0.0, 380.0),
+               Sample(30.0, {"DecodeServer": 1050.0, "PrefillServer": 1520.0}, 0.0, 500.0)]
     m = memory_summary(samples, warm_until=10.0)
     assert m["rss"]["DecodeServer"] == {"after_warmup_mb": 1000, "peak_mb": 1200,
                                         "end_mb": 1050, "growth_pct": 5.0}
+    # prefill grew 38%, all but 2% of it the prefix cache filling towards its budget
+    assert m["rss"]["PrefillServer"]["growth_pct"] == 38.2
+    assert m["rss"]["PrefillServer"]["growth_less_prefix_cache_pct"] == 2.0
+    assert m["prefix_cache_mb"] == {"after_warmup": 100, "end": 500}
     assert m["kv_objects_peak_mb"] == 40.0 and m["kv_objects_end_mb"] == 0.0
