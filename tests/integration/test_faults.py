@@ -47,7 +47,8 @@ def fault_args() -> dict:
         max_retries=3,
         retry_backoff_s=0.2,
         request_timeout_s=REQUEST_TIMEOUT_S,
-        decode_stall_timeout_s=4.0,
+        # a new replica's first steps under the CPU hog took over 4 s: a wedge is longer
+        decode_stall_timeout_s=10.0,
         prefill={"deployment_config": {"num_replicas": 2, "max_queued_requests": 64,
                                        "health_check_period_s": 1.0}},
         decode={"resource_amount": 1.0,
