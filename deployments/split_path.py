@@ -92,8 +92,8 @@ def choice_request(preq: PrefillRequest, k: int) -> PrefillRequest:
 
 @dataclasses.dataclass
 class SharedPackage:
-    """The one KV package of an ``n > 1`` request and the budget it holds until a decode
-    replica has taken it (``SplitPath.shared_prefill``)."""
+    """The one KV package of an ``n > 1`` request and its room in the KV budget, held until
+    every answer's stream has ended (``SplitPath.shared_prefill``)."""
 
     ref: ray.ObjectRef
     reservation: Reservation
@@ -104,9 +104,9 @@ class SplitPath:
 
     ``prefill`` is the PrefillServer handle, or None in the colocated app, where ``decode``
     (the ColocatedServer) prefills every prompt itself. ``kv_budget`` (with
-    ``kv_bytes_per_token``) bounds the KV bytes that wait in the object store between a
-    prefill and a decode replica taking them: a prompt that does not fit waits before
-    prefill (``deployments.kv_budget``).
+    ``kv_bytes_per_token``) bounds the KV bytes in the object store, from a prompt's prefill
+    until its stream ends: a prompt that does not fit waits before prefill
+    (``deployments.kv_budget``).
     """
 
     def __init__(self, prefill: Any | None, decode: Any, *, local_prefill_threshold: int,
