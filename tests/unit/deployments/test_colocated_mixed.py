@@ -6,43 +6,21 @@ pass per token; off, prompts get passes of their own between the steps. The real
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from app.engine_core import EngineCore
 from app.messages import PrefillRequest, StreamStart
 from app.prefill import Prefiller
 from app.sampling import SamplingParams
-from deployments import metrics, replica
 from deployments.colocated_server import ColocatedServer
 from tests.conftest import hf_greedy
 
 
-class _NoMetric:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
-
-
 @pytest.fixture
-def make_server(monkeypatch, tiny_model):
-    import ray
-
-    monkeypatch.setattr(ray, "get_runtime_context",
-                        lambda: SimpleNamespace(get_node_id=lambda: "node"))
-    for cls in ("Counter", "Gauge", "Histogram"):
-        monkeypatch.setattr(metrics, cls, _NoMetric)
-    threads = torch.get_num_threads()  # keep the suite's setting, not the phase's
-    monkeypatch.setattr(replica, "EngineCore", lambda cfg: EngineCore(
-        dataclasses.replace(cfg, num_threads=threads), model=tiny_model))
-
+def make_server(rayless_replicas):
     def make(**engine: Any) -> ColocatedServer:
         args = {"engine": {"prefill_chunk_tokens": 16, **engine}, "colocated": {}}
         return ColocatedServer.func_or_class(args)

@@ -7,42 +7,19 @@ the metrics are stubbed, and a resolved future stands in for the ObjectRef."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
-from app.engine_core import EngineCore
 from app.messages import PrefillRequest, StreamStart
 from app.sampling import SamplingParams
-from deployments import metrics, replica
 from deployments.colocated_server import ColocatedServer
 from deployments.decode_server import DecodeServer
 from deployments.split_path import choice_request
 
 
-class _NoMetric:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
-
-
 @pytest.fixture
-def make_server(monkeypatch, tiny_model):
-    import ray
-
-    monkeypatch.setattr(ray, "get_runtime_context",
-                        lambda: SimpleNamespace(get_node_id=lambda: "node"))
-    for cls in ("Counter", "Gauge", "Histogram"):
-        monkeypatch.setattr(metrics, cls, _NoMetric)
-    threads = torch.get_num_threads()  # keep the suite's setting, not the phase's
-    monkeypatch.setattr(replica, "EngineCore", lambda cfg: EngineCore(
-        dataclasses.replace(cfg, num_threads=threads), model=tiny_model))
-
+def make_server(rayless_replicas):
     def make(server_cls: Any) -> Any:
         # the class as written, under the one that @serve.deployment makes
         args: dict[str, Any] = {"engine": {"prefix_cache_mb": 0}}
