@@ -108,12 +108,13 @@ class Ingress:
         api.state.max_body_bytes = self.args.ingress.max_body_bytes
 
     def make_kv_budget(self) -> KVBudget:
-        """The bound on KV bytes waiting in the object store for a decode replica: the
-        configured bytes, or a share of the smallest node object store."""
+        """The bound on KV bytes in the object store, from a prompt's prefill until its
+        stream ends: the configured bytes, or a share of the smallest node object store."""
         ing = self.args.ingress
         capacity = ing.kv_in_flight_bytes or budget_from_cluster(
             ray.nodes(), ing.kv_in_flight_fraction, ing.max_replicas)
-        logger.info("KV in flight: at most %.1f MB waiting for decode", capacity / 1e6)
+        logger.info("KV budget: at most %.1f MB of KV packages in the object store",
+                    capacity / 1e6)
         return KVBudget(capacity)
 
     def stats(self) -> dict[str, Any]:
@@ -271,7 +272,7 @@ class Ingress:
         ``cached_tokens`` the usage reports: the prompt counts once), and what to call once
         they have ended. ``n > 1``: the prompt is prefilled once (a first token per answer)
         and every answer's decode stream reads that one KV object, whose room in the KV
-        budget the call gives back if no answer's stream did."""
+        budget the call gives back (the object lives until the last stream ends)."""
         if preq.n == 1:
             return [self.deltas(endpoint, preq, trace)], lambda: None
         shared = await self.path.shared_prefill(preq, trace)
