@@ -26,6 +26,9 @@ from deployments.autoscaling import DecodeParams, PrefillParams
 # Prompts shorter than this are prefilled on the decode replica; 0: every prompt hops
 # (the measurement behind the default: BENCHMARKS.md, "Split path").
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 0
+# ... and, while the prefill phase is backed up by at least a pass, prompts shorter than
+# this (BENCHMARKS.md, "W-mixed": a chat waited a pass or more behind document chunks)
+DEFAULT_LOCAL_PREFILL_WHEN_BUSY = 128
 # The decode policy's default KV target: this fraction of a replica's max_kv_tokens.
 DEFAULT_KV_FRACTION = 0.8
 
@@ -258,6 +261,17 @@ class AppArgs(BaseModel):
         DEFAULT_LOCAL_PREFILL_THRESHOLD, ge=0, description="Conditional disaggregation: a "
         "prompt shorter than this many tokens is prefilled on the decode replica itself (no "
         "KV hop); a longer one goes to the prefill deployment. 0: every prompt hops.")
+    local_prefill_when_busy: int = Field(
+        DEFAULT_LOCAL_PREFILL_WHEN_BUSY, ge=0, description="A prompt shorter than this many "
+        "tokens is also prefilled on the decode replica while the prefill phase is backed "
+        "up (prefill_busy_tokens): there it would wait for at least one whole prefill pass; "
+        "on the decode replica it rides in the decode steps (engine.mixed_batch). 0: off.")
+    prefill_busy_tokens: int | None = Field(
+        None, ge=1, description="The prefill phase counts as backed up while the prompt "
+        "tokens an ingress replica has sent it, whose streams have not started, are at least "
+        "this many. Default: one prefill pass (min(engine.prefill_token_budget, "
+        "engine.prefill_chunk_tokens)). Counted per ingress replica: with several prefill "
+        "replicas, raise it in proportion.")
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request running longer is ended with a 504 (an error "
         "event on a stream) and its prefill/decode work is cancelled.")
@@ -299,6 +313,12 @@ class AppArgs(BaseModel):
     @property
     def is_colocated(self) -> bool:
         return self.colocated is not None
+
+    @property
+    def busy_prefill_tokens(self) -> int:
+        """``prefill_busy_tokens``, or one prefill pass by default."""
+        return self.prefill_busy_tokens or min(self.engine.prefill_token_budget,
+                                               self.engine.prefill_chunk_tokens)
 
     @property
     def phases(self) -> tuple[str, ...]:

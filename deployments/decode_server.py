@@ -11,31 +11,37 @@ from ray import serve
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest, StreamStart
 from deployments import autoscaling
-from deployments.replica import DecodeReplica
+from deployments.metrics import PrefillMetrics
+from deployments.replica import DecodeReplica, PrefillQueue
 
 
 @serve.deployment(name="DecodeServer")
 class DecodeServer(DecodeReplica):
     def __init__(self, args: dict[str, Any]) -> None:
         super().__init__(args, "decode")
-        # short prompts are prefilled here (conditional disaggregation): same code, same model
-        self.prefiller = self.core.make_prefiller(self.eos_token_ids)
+        # short prompts are prefilled here (conditional disaggregation: the ingress's
+        # local_prefill_threshold, and local_prefill_when_busy while the prefill phase is
+        # backed up): same code, same model. With engine.mixed_batch (the default) a prompt
+        # rides in the decode steps, as in the colocated app, so the running streams wait
+        # one longer step, never a prefill pass of their own.
+        self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
+                                    PrefillMetrics(self.args.model_name, count_waiting=False),
+                                    eos_token_ids=self.eos_token_ids)
+        if self.core.config.mixed_batch:
+            self.batcher.mix_into(self.loop)
         self.tpot_window_s = self.args.decode.latency_window_s
         self.local_prefills = 0  # prompts that were prefilled here
-        self.local_prefilling = 0  # of those, still in their prefill
+
+    @property
+    def local_prefilling(self) -> int:
+        """Prompts waiting for, or in, their prefill on this replica."""
+        return self.batcher.waiting_requests
 
     async def make_kv_package(self, req: PrefillRequest) -> KVPackage:
-        """Prefill a short prompt on this replica (``local_prefill_threshold``). The prefill
-        holds the model between two decode steps, so only prompts short enough to cost the
-        running batch less than a hop come here. Called through the handle for an ``n > 1``
-        request: one prefill, a first token per answer, and each answer's stream reads the
-        package with ``generate([ref], k)``, as in the split path."""
-        self.prefiller.validate(req)
-        self.local_prefilling += 1
-        try:
-            [package] = await self.core.run(self.prefiller.make_packages, [req])
-        finally:
-            self.local_prefilling -= 1
+        """Prefill a short prompt on this replica. Called through the handle for an
+        ``n > 1`` request: one prefill, a first token per answer, and each answer's stream
+        reads the package with ``generate([ref], k)``, as in the split path."""
+        package = await self.batcher.enqueue(req)
         self.local_prefills += 1
         return package
 
@@ -77,5 +83,7 @@ class DecodeServer(DecodeReplica):
             "kv_bytes_received": self.kv_bytes_received,
             "hop_s_total": self.hop_s_total,
             "local_prefills": self.local_prefills,
+            "local_prefill_tokens_total": self.batcher.tokens_total,
+            "mixed_passes": self.batcher.mixed_passes,
             "autoscaling": self.record_autoscaling_stats(),
         }

@@ -95,6 +95,8 @@ class Ingress:
             prefill, decode, local_prefill_threshold=self.args.local_prefill_threshold,
             request_timeout_s=self.args.request_timeout_s, max_retries=self.args.max_retries,
             retry_backoff_s=self.args.retry_backoff_s, kv_budget=self.kv_budget,
+            local_prefill_when_busy=self.args.local_prefill_when_busy,
+            prefill_busy_tokens=self.args.busy_prefill_tokens,
             kv_bytes_per_token=KVLayout(
                 self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
                 dtype_name(self.args.engine.torch_kv_dtype)).bytes_per_token())
@@ -119,7 +121,9 @@ class Ingress:
 
     def stats(self) -> dict[str, Any]:
         """What this ingress replica holds now: answers in flight and the KV budget."""
-        out: dict[str, Any] = {"in_flight": self.in_flight}
+        out: dict[str, Any] = {"in_flight": self.in_flight,
+                               "prefill_backlog_tokens": self.path.prefill_backlog_tokens,
+                               "local_prefills_when_busy": self.path.local_when_busy}
         if self.kv_budget is not None:
             out.update(self.kv_budget.stats())
         if self.admission is not None:

@@ -45,6 +45,9 @@ class RequestTrace:
     # and how long the ingress then waited for the phases to answer again (a phase that
     # lost every replica: until a replacement has started)
     retries: list[dict[str, Any]] = field(default_factory=list)
+    # set when a short prompt was prefilled on the decode replica because the prefill
+    # phase was backed up (``local_prefill_when_busy``): the backlog it saw, in tokens
+    prefill_busy_backlog: int | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -95,6 +98,8 @@ class RequestTrace:
             "retries": self.retries,
             "breakdown": self.breakdown(),
         }
+        if self.prefill_busy_backlog is not None:
+            out["prefill_busy_backlog_tokens"] = self.prefill_busy_backlog
         if s is not None:
             out.update(decode_node=s.node_id, kv_bytes=s.kv_bytes, kv_hop_s=s.kv_hop_s,
                        kv_fetch_s=s.fetch_s, prefill_compute_s=s.prefill_s,

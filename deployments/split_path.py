@@ -107,18 +107,30 @@ class SplitPath:
     ``kv_bytes_per_token``) bounds the KV bytes in the object store, from a prompt's prefill
     until its stream ends: a prompt that does not fit waits before prefill
     (``deployments.kv_budget``).
+
+    Where a prompt is prefilled: on the decode replica when it is shorter than
+    ``local_prefill_threshold`` tokens, or shorter than ``local_prefill_when_busy`` while
+    the prefill phase is backed up (``prefill_backlog_tokens``, the prompt tokens this path
+    has sent it whose streams have not started yet, at least ``prefill_busy_tokens``:
+    a prompt sent there now would wait for at least one whole pass); otherwise on the
+    prefill phase.
     """
 
     def __init__(self, prefill: Any | None, decode: Any, *, local_prefill_threshold: int,
                  request_timeout_s: float, max_retries: int, retry_backoff_s: float,
                  locate: Callable[[Any], tuple[list[str], int | None]] = kv_object_locations,
                  kv_budget: KVBudget | None = None, kv_bytes_per_token: int = 0,
+                 local_prefill_when_busy: int = 0, prefill_busy_tokens: int = 1,
                  ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.kv_budget = kv_budget
         self.kv_bytes_per_token = kv_bytes_per_token
         self.local_prefill_threshold = local_prefill_threshold
+        self.local_prefill_when_busy = local_prefill_when_busy
+        self.prefill_busy_tokens = max(1, prefill_busy_tokens)
+        self.prefill_backlog_tokens = 0  # sent to the prefill phase, stream not started
+        self.local_when_busy = 0  # prompts prefilled locally because the phase was busy
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
@@ -164,7 +176,14 @@ class SplitPath:
             await self._sleep_within(REPLICA_POLL_S, deadline)
 
     def _prefills_locally(self, preq: PrefillRequest) -> bool:
-        return self.prefill is None or preq.num_tokens < self.local_prefill_threshold
+        return (self.prefill is None or preq.num_tokens < self.local_prefill_threshold
+                or self._busy_prefill_skipped(preq))
+
+    def _busy_prefill_skipped(self, preq: PrefillRequest) -> bool:
+        """A short prompt that the backed-up prefill phase would keep waiting for at least
+        a pass: the decode replica prefills it, in its decode steps."""
+        return (preq.num_tokens < self.local_prefill_when_busy
+                and self.prefill_backlog_tokens >= self.prefill_busy_tokens)
 
     async def reserve_kv(self, preq: PrefillRequest, trace: RequestTrace | None = None
                          ) -> Reservation:
@@ -232,19 +251,26 @@ class SplitPath:
         ref: ray.ObjectRef | None = None
         prefill_call = None
         held: Reservation | None = None  # a shared package's is released by the caller
+        backlog = 0  # this attempt's tokens in prefill_backlog_tokens
         if shared is not None:
             package, choice = shared
             ref = package.ref
             stream = self.decode.options(stream=True).generate.remote([ref], choice)
         elif self._prefills_locally(preq):
+            if self.prefill is not None and preq.num_tokens >= self.local_prefill_threshold:
+                self.local_when_busy += 1
+                trace.prefill_busy_backlog = self.prefill_backlog_tokens
             stream = self.decode.options(stream=True).generate_local.remote(preq)
         else:
             held = await self.reserve_kv(preq, trace)
+            backlog = preq.num_tokens
+            self.prefill_backlog_tokens += backlog
             try:
                 prefill_call = self.prefill.make_kv_package.remote(preq)
                 ref = await prefill_call._to_object_ref()
             except BaseException:
                 held.release()
+                self.prefill_backlog_tokens -= backlog
                 if prefill_call is not None:
                     prefill_call.cancel()  # client gone or timed out: drop the queued prompt
                 raise
@@ -261,10 +287,13 @@ class SplitPath:
                         trace.kv_locations, trace.kv_object_size = self.locate(ref)
                     ref = None  # decode holds the package: the ingress needs no ref
                     prefill_call = None
+                    self.prefill_backlog_tokens -= backlog
+                    backlog = 0
                     continue
                 yield item
         finally:
             stream.cancel()
+            self.prefill_backlog_tokens -= backlog
             if held is not None:
                 held.release()
             if prefill_call is not None:

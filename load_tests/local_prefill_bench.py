@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     with split_topology(prefill_slots=2, decode_slots=2) as topo:
         url_of = {}
         for app, threshold in APPS.items():
-            serve.run(build_app(phase_args(local_prefill_threshold=threshold)), name=app,
+            serve.run(build_app(phase_args(local_prefill_threshold=threshold,
+                                           local_prefill_when_busy=0)), name=app,
                       route_prefix=f"/{app}", blocking=False)
             url_of[app] = f"{topo.url}/{app}"
         for url in url_of.values():

@@ -42,7 +42,9 @@ def fault_args() -> dict:
     return app_args(
         engine={"max_model_len": CONTEXT},
         default_max_tokens=8,
-        local_prefill_threshold=0,  # every prompt takes the prefill -> KV hop -> decode path
+        # every prompt takes the prefill -> KV hop -> decode path, busy or not
+        local_prefill_threshold=0,
+        local_prefill_when_busy=0,
         enable_fault_injection=True,
         max_retries=3,
         retry_backoff_s=0.2,

@@ -328,6 +328,19 @@ def test_local_prefill_threshold_is_validated():
         AppArgs.model_validate({"local_prefill_threshold": -1})
 
 
+def test_the_prefill_phase_counts_as_busy_from_one_pass_unless_set():
+    # default: one prefill pass, the smaller of the token budget and the chunk
+    assert AppArgs.model_validate({}).busy_prefill_tokens == 256
+    assert AppArgs.model_validate(
+        {"engine": {"prefill_chunk_tokens": 2048, "prefill_token_budget": 1024}}
+    ).busy_prefill_tokens == 1024
+    assert AppArgs.model_validate({"prefill_busy_tokens": 40}).busy_prefill_tokens == 40
+    assert AppArgs.model_validate({}).local_prefill_when_busy == 128
+    for bad in ({"prefill_busy_tokens": 0}, {"local_prefill_when_busy": -1}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            AppArgs.model_validate(bad)
+
+
 def test_gpu_cluster_config_scales_each_phase_on_its_own_policy():
     from pathlib import Path
 

@@ -1,7 +1,8 @@
-"""The colocated app's mixed batching (``mixed_batch``): while streams decode, a prompt's
-chunks ride in the decode steps, so every stream gets exactly its own tokens and waits one
-pass per token; off, prompts get passes of their own between the steps. The real
-``ColocatedServer`` on the tiny model, without Ray (node id and metrics stubbed)."""
+"""Mixed batching (``mixed_batch``) in the colocated app, and in a decode replica's local
+prefills: while streams decode, a prompt's chunks ride in the decode steps, so every stream
+gets exactly its own tokens and waits one pass per token; off, prompts get passes of their
+own between the steps. The real ``ColocatedServer`` (and ``DecodeServer``) on the tiny
+model, without Ray (node id and metrics stubbed)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,17 @@ from app.messages import PrefillRequest, StreamStart
 from app.prefill import Prefiller
 from app.sampling import SamplingParams
 from deployments.colocated_server import ColocatedServer
+from deployments.decode_server import DecodeServer
 from tests.conftest import hf_greedy
 
 
 @pytest.fixture
 def make_server(rayless_replicas):
-    def make(**engine: Any) -> ColocatedServer:
-        args = {"engine": {"prefill_chunk_tokens": 16, **engine}, "colocated": {}}
-        return ColocatedServer.func_or_class(args)
+    def make(server_cls: Any = ColocatedServer, **engine: Any) -> Any:
+        args: dict[str, Any] = {"engine": {"prefill_chunk_tokens": 16, **engine}}
+        if server_cls is ColocatedServer:
+            args["colocated"] = {}
+        return server_cls.func_or_class(args)
     return make
 
 
@@ -129,9 +133,12 @@ async def test_streams_get_their_own_tokens_while_long_prompts_arrive(make_serve
     assert server.batcher.waiting_requests == 0 and server.batcher.jobs == []
 
 
+@pytest.mark.parametrize("server_cls", [ColocatedServer, DecodeServer])
 async def test_a_stream_waits_one_mixed_pass_per_token_while_a_prompt_is_prefilled(
-        make_server, tiny_model):
-    server = make_server(prefix_cache_mb=0)
+        make_server, tiny_model, server_cls):
+    """The colocated app, and a decode replica prefilling a prompt locally (a short one
+    under ``local_prefill_threshold``, or while the prefill phase is backed up)."""
+    server = make_server(server_cls, prefix_cache_mb=0)
     log = _log_passes(server)
     (prompt, tokens), (doc, doc_tokens) = await _stream_then_doc(server)
     await server.loop.close()
@@ -145,12 +152,15 @@ async def test_a_stream_waits_one_mixed_pass_per_token_while_a_prompt_is_prefill
     assert [k for k, _ in log].count("mixed") == 4
     assert all(rows >= 1 for _, rows in log[1:])
     assert server.batcher.mixed_passes == 4
+    assert server.stats()["mixed_passes"] == 4
 
 
+@pytest.mark.parametrize("server_cls", [ColocatedServer, DecodeServer])
 async def test_mixed_batch_off_runs_prompt_chunks_as_passes_between_steps(make_server,
-                                                                          tiny_model):
-    server = make_server(prefix_cache_mb=0, mixed_batch=False)
-    assert server.stats()["mixed_batch"] is False and server.loop.prefill_source is None
+                                                                          tiny_model,
+                                                                          server_cls):
+    server = make_server(server_cls, prefix_cache_mb=0, mixed_batch=False)
+    assert server.loop.prefill_source is None
     log = _log_passes(server)
     (prompt, tokens), (doc, doc_tokens) = await _stream_then_doc(server)
     await server.loop.close()

@@ -505,3 +505,91 @@ def test_a_phase_that_never_comes_back_ends_the_request_at_its_deadline():
     with pytest.raises(RequestTimeoutError):
         run(path, request())
     assert 0.9 <= time.perf_counter() - t < 3.0
+
+
+def test_a_short_prompt_skips_a_backed_up_prefill_phase_and_the_backlog_drains():
+    """``local_prefill_when_busy``: while the prompt tokens sent to the prefill phase whose
+    streams have not started reach ``prefill_busy_tokens``, a short prompt is prefilled on
+    the decode replica (its trace says why) and a long one still hops; once the long
+    prompt's stream starts, the backlog is empty and short prompts hop again."""
+    held = asyncio.Event()
+
+    def remote_stream(preq: PrefillRequest) -> AsyncIterator[Any]:
+        async def gen():
+            if preq.num_tokens > 100:
+                await held.wait()  # this document's prefill is still queued
+            async for item in token_stream(preq):
+                yield item
+        return gen()
+
+    prefill, decode = hop_handles(remote_stream)
+    decode.methods["generate_local"] = lambda preq: FakeCall(stream=token_stream(preq))
+    path = split_path(prefill, decode, local_prefill_when_busy=64, prefill_busy_tokens=256)
+    doc = PrefillRequest("doc", tuple(range(300)), SamplingParams(max_tokens=len(TOKENS),
+                                                                  temperature=0.0))
+    mid = PrefillRequest("mid", tuple(range(64)), SamplingParams(max_tokens=len(TOKENS),
+                                                                 temperature=0.0))
+
+    async def scenario():
+        traces = {k: RequestTrace() for k in ("idle", "doc", "chat", "mid", "after")}
+
+        async def collect(preq, key):
+            return [ev.token_id async for ev in path.resumable_stream(preq, traces[key])]
+
+        # nothing queued at the prefill phase: a short prompt hops
+        assert await collect(request(), "idle") == TOKENS
+        doc_task = asyncio.create_task(collect(doc, "doc"))
+        await asyncio.sleep(0.05)
+        assert path.prefill_backlog_tokens == 300
+        # backed up: the short prompt is prefilled locally; one of 64 tokens is not short
+        assert await collect(request(), "chat") == TOKENS
+        assert await collect(mid, "mid") == TOKENS
+        held.set()
+        assert await doc_task == TOKENS
+        assert path.prefill_backlog_tokens == 0
+        assert await collect(request(), "after") == TOKENS
+        return traces
+
+    traces = asyncio.run(scenario())
+    routed = [(name, args[0][0].request_id if name == "generate" else args[0].request_id)
+              for name, args in decode.calls]
+    assert routed == [("generate", "req"), ("generate", "doc"), ("generate_local", "req"),
+                      ("generate", "mid"), ("generate", "req")]
+    assert path.local_when_busy == 1
+    assert traces["chat"].as_dict()["prefill_busy_backlog_tokens"] == 300
+    assert "prefill_busy_backlog_tokens" not in traces["idle"].as_dict()
+
+
+def test_the_backlog_is_given_back_when_a_queued_prefill_fails_or_is_cancelled():
+    prefill = FakeHandle(make_kv_package=lambda preq: FakeCall(value=QueueFullError("full")))
+    path = split_path(prefill, FakeHandle(), local_prefill_when_busy=64,
+                      prefill_busy_tokens=1)
+    with pytest.raises(QueueFullError):
+        run(path, request())
+    assert path.prefill_backlog_tokens == 0
+
+    stuck = asyncio.Event()
+
+    def never_starts(preq):
+        async def gen():
+            await stuck.wait()
+            yield start()
+        return gen()
+
+    prefill, decode = hop_handles(never_starts)
+    path = split_path(prefill, decode, local_prefill_when_busy=64, prefill_busy_tokens=1)
+
+    async def cancelled():
+        task = asyncio.create_task(run_async(path, request()))
+        await asyncio.sleep(0.05)
+        assert path.prefill_backlog_tokens == 3
+        task.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return path.prefill_backlog_tokens
+
+    assert asyncio.run(cancelled()) == 0
+
+
+async def run_async(path: SplitPath, preq: PrefillRequest) -> list[TokenEvent]:
+    return [ev async for ev in path.resumable_stream(preq, RequestTrace())]
