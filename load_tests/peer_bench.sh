@@ -19,7 +19,8 @@
 # (64 in / 64 out, 8 prompts, one at a time, seed 5: TPOT at concurrency 1), W-long
 # (1024 in / 16 out, 16 prompts, 4 concurrent, seed 2), W-mixed (the peer's mixed.sh: 16
 # streams of 64 in / 256 out, 8 at a time, while 16 prompts of 1024 tokens arrive at 0.5/s;
-# seeds 3 and 4), or all.
+# seeds 3 and 4), W-chat (W-mixed's streams alone, no documents, seed 3: the chats' own
+# TTFT, which W-mixed's chat TTFT p90 is held against), or all.
 #
 # PEER is a folder set up by the peer's setup.sh (vllm-venv/, smollm2-hf/), outside the
 # checkout. The peer scripts (bench.sh, start_vllm.sh, mixed.sh) are taken from PEER_SCRIPTS,
@@ -45,9 +46,9 @@ die() { echo "peer_bench: $*" >&2; exit 2; }
 workloads=()
 for w in "${@:-W-short}"; do
   case $w in
-    W-short|W-single|W-long|W-mixed) workloads+=("$w") ;;
-    all) workloads+=(W-short W-single W-long W-mixed) ;;
-    *) die "unknown workload '$w' (W-short, W-single, W-long, W-mixed, all)" ;;
+    W-short|W-single|W-long|W-mixed|W-chat) workloads+=("$w") ;;
+    all) workloads+=(W-short W-single W-long W-mixed W-chat) ;;
+    *) die "unknown workload '$w' (W-short, W-single, W-long, W-mixed, W-chat, all)" ;;
   esac
 done
 SERVERS=${SERVERS:-"vllm split"}
@@ -158,6 +159,7 @@ measure() {
       W-short) bench "${server}_W-short" "$port" "$served" 64 64 64 8 inf 1 || failed+=("${server}_W-short") ;;
       W-single) bench "${server}_W-single" "$port" "$served" 64 64 8 1 inf 5 || failed+=("${server}_W-single") ;;
       W-long) bench "${server}_W-long" "$port" "$served" 1024 16 16 4 inf 2 || failed+=("${server}_W-long") ;;
+      W-chat) bench "${server}_W-chat" "$port" "$served" 64 256 16 8 inf 3 || failed+=("${server}_W-chat") ;;
       W-mixed)
         # mixed.sh: two clients at once (seeds 3 and 4), logs under $PEER/logs
         PEER=$PEER SERVED=$served RESULT_DIR=$OUT "$PEER_SCRIPTS/mixed.sh" "$server" "$port" \

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-WORKLOADS = ["W-short", "W-single", "W-long", "W-mixed-streams", "W-mixed-long"]
+WORKLOADS = ["W-short", "W-single", "W-long", "W-mixed-streams", "W-chat", "W-mixed-long"]
 SERVERS = ["vllm", "split", "colocated"]
 SERVER_NAMES = {"vllm": "vLLM-CPU", "split": "split (`make run`)", "colocated": "colocated"}
 
@@ -28,6 +28,7 @@ FIGURES = [
     ("TPOT p50 ms", lambda r: _pct(r, "tpot", "50")),
     ("ITL p99 ms", lambda r: _pct(r, "itl", "99")),
     ("TTFT p50 ms", lambda r: _pct(r, "ttft", "50")),
+    ("TTFT p90 ms", lambda r: _pct(r, "ttft", "90")),
 ]
 
 
