@@ -162,6 +162,37 @@ def test_n_answers_share_one_prefill(split_app, reference):
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
 
 
+def test_a_chat_skips_a_backed_up_prefill_phase(split_app, reference):
+    """While a long prompt waits for the prefill phase (its tokens sent, its stream not
+    started), a short chat is prefilled on the decode replica, in its decode steps
+    (``local_prefill_when_busy``): the exact greedy text, and its trace says why. The long
+    prompt goes through the hop as before, and the backlog drains to 0."""
+    handle = serve.get_app_handle(APP)
+    ingress = serve.get_deployment_handle("Ingress", APP)
+    decode = serve.get_deployment_handle("DecodeServer", APP)
+    # a prompt no other test sends (no prefix-cache hit): about 900 tokens, several passes
+    doc_body = {"prompt": "A long history of lighthouses and their keepers. " * 90,
+                "max_tokens": 4, "temperature": 0}
+    chat_body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 24,
+                 "temperature": 0}
+    local_before = decode.stats.remote().result(timeout_s=60)["local_prefills"]
+    doc = handle.trace.remote(doc_body, kind="completion")
+    deadline = time.monotonic() + 120  # the ingress takes the request and reserves its KV
+    while ingress.stats.remote().result(timeout_s=60)["prefill_backlog_tokens"] < 256:
+        assert time.monotonic() < deadline, "the long prompt never reached the prefill phase"
+        time.sleep(0.05)
+    chat = handle.trace.remote(chat_body).result(timeout_s=180)
+    assert chat["prefill_path"] == "local"
+    assert chat["prefill_busy_backlog_tokens"] >= 256
+    assert chat["response"]["choices"][0]["message"]["content"] == reference[0].text
+    doc_trace = doc.result(timeout_s=300)
+    assert doc_trace["prefill_path"] == "remote" and doc_trace["output_tokens"] == 4
+    assert "prefill_busy_backlog_tokens" not in doc_trace
+    assert decode.stats.remote().result(timeout_s=60)["local_prefills"] == local_before + 1
+    stats = ingress.stats.remote().result(timeout_s=60)
+    assert stats["prefill_backlog_tokens"] == 0 and stats["local_prefills_when_busy"] >= 1
+
+
 def test_usage_reports_the_prompt_tokens_the_prefix_cache_supplied(split_app):
     """The same long prompt twice: the second is prefilled from the cache (prefix affinity
     sends it to the same replica), and usage says how many prompt tokens came from it, whole
