@@ -32,6 +32,7 @@ from load_tests.workloads import LengthDist
 from planner import hardware, search, validate
 from planner.hardware import DeviceProfile
 from planner.simulator import (
+    KV_LAYOUTS,
     ColocatedSystem,
     EngineLimits,
     SplitSystem,
@@ -65,7 +66,7 @@ def _devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
 def _limits(args: argparse.Namespace) -> EngineLimits:
     return EngineLimits(max_batch_size=args.max_batch_size, token_budget=args.token_budget,
                         prefill_max_rows=args.prefill_max_rows,
-                        padded_kv=args.kv_layout == "padded",
+                        kv_layout=args.kv_layout,
                         prefill_chunk_tokens=args.prefill_chunk,
                         prefill_fairness_s=args.prefill_fairness_s,
                         prefill_routing=args.prefill_routing)
@@ -95,9 +96,7 @@ def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
     p.add_argument("--max-batch-size", type=int, default=256 if gpu_defaults else 16)
     p.add_argument("--token-budget", type=int, default=8192 if gpu_defaults else 4096)
     p.add_argument("--prefill-max-rows", type=int, default=64 if gpu_defaults else 8)
-    p.add_argument("--kv-layout", choices=("padded", "paged"),
-                   default="paged" if gpu_defaults else "padded",
-                   help="padded: this app's contiguous buffer; paged: vLLM-style blocks")
+    _kv_layout_arg(p, default="inplace" if gpu_defaults else "paged")
     p.add_argument("--prefill-chunk", type=int, default=2048 if gpu_defaults else 256,
                    help="prefill_chunk_tokens: at most this many tokens per prefill pass, "
                    "long prompts in chunks (the GPU serve configs use 2048, EngineConfig 256)")
@@ -113,6 +112,17 @@ def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
     p.add_argument("--n", type=int, default=1,
                    help="answers per request: one prefill, n decode sequences; a request is "
                    "good when every answer meets the SLOs")
+
+
+def _kv_layout_arg(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--kv-layout", choices=KV_LAYOUTS, default=default,
+                   help="the decode replica's KV: paged = this engine's pool (16-token "
+                   "blocks, each sequence reserving prompt + max_tokens in whole blocks; a "
+                   "step gathers rows padded to the longest unless that copies over twice "
+                   "the positions held, then exactly); inplace = the same pool, every row "
+                   "attending only its own positions (a paged-attention kernel such as "
+                   "vLLM's); padded = the contiguous buffer the engine had before its pool "
+                   f"(replaying runs of that engine). Default: {default}")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -179,6 +189,7 @@ def _add_validate_parser(sub: Any) -> None:
                     "and per-request overhead are added to cpu-1t")
     pv.add_argument("--stack-colocated", default=None,
                     help="stack JSON measured on the colocated app, added to cpu-2t")
+    _kv_layout_arg(pv, default="paged")
     pv.add_argument("--json", default=None, help="also write the comparison here")
 
 
@@ -230,7 +241,8 @@ def _cmd_validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     if not results:
         ap.error("give --split and/or --colocated results")
     slos = parse_slos(args.slo) if args.slo else None
-    comps = validate.validate(_validation_devices(args), results, slos)
+    comps = validate.validate(_validation_devices(args), results, slos,
+                              EngineLimits(kv_layout=args.kv_layout))
     print(validate.table(comps))
     if args.json:
         Path(args.json).write_text(json.dumps(comps, indent=1))

@@ -247,11 +247,14 @@ class DeviceProfile:
         return self.prefill(rows * chunk, rows * chunk * (chunk + 2 * past))
 
     def decode_s(self, batch: int, span: int) -> float:
-        """A step that attends every row over ``span`` positions (this app's padded batch)."""
+        """A step that attends every row over ``span`` positions (a padded batch: rows of
+        alike lengths, as ``profile`` measures the engine's step)."""
         return self.decode(batch, batch * span) + self.decode_stack(batch, 0.0)
 
     def decode_ctx_s(self, batch: int, context_tokens: int) -> float:
-        """A step that attends each row over its own context only (a paged engine)."""
+        """A step whose attention works over ``context_tokens`` KV positions in all (the
+        simulator's ``attended_positions``: ``batch x longest`` padded, the rows' own
+        contexts exact)."""
         return self.decode(batch, context_tokens) + self.decode_stack(batch, 0.0)
 
     def hop_s(self, nbytes: int) -> float:

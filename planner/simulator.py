@@ -25,14 +25,29 @@ The simulated engine follows the app's code path by path:
   the least loaded decode replica, each with its own hop and its own KV (the prompt's KV
   held once per answer), all of the request's ``output_len`` tokens.
 * **Decode replica** (``Decoder``): continuous batching; before each step it admits waiting
-  sequences in order while the batch has a free row and the KV budget holds (``padded_kv``:
-  the contiguous buffer the engine had before its paged KV pool, ``round_rows(rows) x
-  round_capacity(capacity)`` tokens, capacity the longest prompt + max_tokens; otherwise
-  paged, exactly the tokens reserved). A step costs ``decode_s(batch, longest context)``
-  (padded) or attends each row's own context (paged) and gives every running sequence one
-  token. The engine's pool is paged now and its attention gathers rows padded to the
-  longest unless that would copy over twice the positions held (``app.paged_attention``):
-  for rows of alike lengths (the validation runs) that is what ``padded_kv`` charges.
+  sequences in order while the batch has a free row and the KV pool has room for the head
+  of the queue (which, when it does not fit, holds back every sequence behind it). A step
+  gives every running sequence one token and costs ``decode_ctx_s(batch, positions)``,
+  ``positions`` being the KV its attention works over. ``kv_layout`` picks the engine:
+
+  - ``"paged"`` (this engine: ``app.kv_cache``, ``app.decode``, ``app.paged_attention``):
+    a pool of ``kv_budget_tokens // kv_block_tokens`` blocks (16 tokens, the engine's); a
+    sequence reserves its prompt + max_tokens rounded up to whole blocks when it joins and
+    gives them back when it ends. The step gathers each row's KV padded to the longest row
+    (``rows x longest``) unless that would copy more than twice the positions the rows
+    hold, and then exactly those (their sum): rows of alike lengths are charged as a padded
+    batch, a long outlier row switches the step to the exact sum (whose one SDPA call also
+    scores each row against the other rows' positions, masked: not charged).
+  - ``"inplace"``: the same pool, every row attending exactly its own positions (a
+    paged-attention kernel that reads blocks in place, as vLLM's does; the default of
+    ``python -m planner search``, whose roofline GPU efficiencies are vLLM's).
+  - ``"padded"``: the contiguous buffer the engine had before its paged pool, kept to replay
+    runs of that engine: ``round_rows(rows) x round_capacity(capacity)`` tokens reserved
+    (rows 1, 2, 4 then multiples of 4, positions in multiples of 128, capacity the longest
+    prompt + max_tokens) and every row attending the longest row's positions.
+
+  Not modelled: the engine's cap of a reservation at ``max_model_len``, and its refusal of a
+  sequence whose reservation does not fit even an empty pool (here it runs alone).
 * **Colocated replica** (``ColocatedServer``): one device does both, on one engine thread
   that runs one pass at a time in the order they were submitted. Under the ``interleave``
   policy (this app) the replica's prefill queue is the split's (same planner, same
@@ -73,6 +88,12 @@ from planner.hardware import DeviceProfile
 # The prefix cache's block (``app.prefix_cache.DEFAULT_BLOCK_TOKENS``): a prompt's cached
 # prefix is a whole number of blocks and leaves at least one token to compute.
 PREFIX_BLOCK_TOKENS = 16
+# ``app.kv_cache.DEFAULT_BLOCK_SIZE``: tokens per block of the decode replica's KV pool.
+KV_BLOCK_TOKENS = 16
+# ``app.paged_attention._EXACT_OVER_PADDED``: a decode step gathers exactly (no padding) when
+# the padded block would copy more than this many times the positions the rows hold.
+EXACT_OVER_PADDED = 2
+KV_LAYOUTS = ("paged", "inplace", "padded")
 # ``app.prefill.MAX_PADDING``: padding may add at most this fraction of a pass's real tokens.
 MAX_PADDING = 0.25
 # Prompts the planner looks at after the head of a pass: the engine scans the whole queue,
@@ -187,7 +208,8 @@ class EngineLimits:
     token_budget: int = 4096  # prefill_token_budget
     prefill_max_rows: int = 8  # prefill_max_batch_size
     batch_wait_s: float = 0.005  # prefill_batch_wait_s
-    padded_kv: bool = True  # this app's contiguous buffer; False: a paged engine
+    kv_layout: str = "paged"  # "paged" (this engine) | "inplace" | "padded" (KV_LAYOUTS)
+    kv_block_tokens: int = KV_BLOCK_TOKENS  # the paged pool's block
     prefill_chunk_tokens: int = 256  # at most this many tokens per prefill pass
     prefill_fairness_s: float = 5.0  # a prompt that waited this long leads every other pass
     prefill_routing: str = "affinity"  # "affinity" (PrefixAffinityRouter) | "least_loaded"
@@ -198,6 +220,10 @@ class EngineLimits:
             raise ValueError(f"unknown prefill routing {self.prefill_routing!r}")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown KV layout {self.kv_layout!r}; known: {KV_LAYOUTS}")
+        if self.kv_block_tokens < 1:
+            raise ValueError("kv_block_tokens must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,10 +341,35 @@ def _answers(r: _Req) -> list[_Seq]:
 
 
 def _padded_kv_tokens(rows: int, capacity: int) -> int:
-    """KV tokens the app's contiguous batch buffer reserves (``ModelRunner.kv_tokens_for``):
-    rows 1, 2, 4 then multiples of 4, positions in multiples of 128."""
+    """KV tokens the engine's old contiguous batch buffer reserved (``kv_layout="padded"``;
+    ``ModelRunner.kv_tokens_for`` before the paged pool): rows 1, 2, 4 then multiples of 4,
+    positions in multiples of 128."""
     rows = 1 << max(0, (rows - 1).bit_length()) if rows <= 4 else -(-rows // 4) * 4
     return rows * max(1, -(-capacity // 128)) * 128
+
+
+def kv_blocks(tokens: int, block: int = KV_BLOCK_TOKENS) -> int:
+    """Blocks that hold ``tokens`` tokens (``BlockAllocator.blocks_for``)."""
+    return -(-tokens // block)
+
+
+def pool_blocks(budget_tokens: int, block: int = KV_BLOCK_TOKENS) -> int:
+    """Blocks in a decode replica's pool of ``budget_tokens`` (``Decoder.__init__``)."""
+    return max(1, budget_tokens // block)
+
+
+def gathers_exact(lengths: Sequence[int]) -> bool:
+    """Whether the engine's decode step over rows of ``lengths`` positions gathers them
+    exactly rather than padded to the longest (``PagedDecodeStep.build``)."""
+    return len(lengths) * max(lengths) > EXACT_OVER_PADDED * sum(lengths)
+
+
+def attended_positions(lengths: Sequence[int], kv_layout: str = "paged") -> int:
+    """KV positions a decode step over rows of ``lengths`` positions works over: ``rows x
+    longest`` for a padded batch, the rows' own positions (their sum) for an exact one."""
+    if kv_layout == "inplace" or (kv_layout == "paged" and gathers_exact(lengths)):
+        return sum(lengths)
+    return len(lengths) * max(lengths)
 
 
 @dataclass(slots=True)
@@ -422,32 +473,37 @@ class _Decoder:
         self.finish = finish
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
+        self.reserved_blocks = 0  # the running sequences' reservations in the paged pool
 
     @property
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def _fits(self, rows: int, capacity: int, used: int) -> bool:
-        if self.limits.padded_kv:
-            return _padded_kv_tokens(rows, capacity) <= self.device.kv_budget_tokens
-        return used <= self.device.kv_budget_tokens
+    def _reservation(self, s: _Seq) -> int:
+        """Blocks a sequence reserves in the paged pool: prompt + max_tokens, whole blocks."""
+        return kv_blocks(s.max_total, self.limits.kv_block_tokens)
+
+    def _fits(self, seq: _Seq) -> bool:
+        """Whether ``seq`` may join the running sequences under the KV budget."""
+        budget = self.device.kv_budget_tokens
+        if self.limits.kv_layout == "padded":
+            capacity = max([s.max_total for s in self.running] + [seq.max_total])
+            return _padded_kv_tokens(len(self.running) + 1, capacity) <= budget
+        blocks = pool_blocks(budget, self.limits.kv_block_tokens)
+        return self.reserved_blocks + self._reservation(seq) <= blocks
 
     def admit(self) -> None:
         while self.waiting and len(self.running) < self.limits.max_batch_size:
             seq = self.waiting[0]
-            rows = len(self.running) + 1
-            capacity = max([s.max_total for s in self.running] + [seq.max_total])
-            used = sum(s.max_total for s in self.running) + seq.max_total
-            if not self._fits(rows, capacity, used) and self.running:
+            if not self._fits(seq) and self.running:
                 break
             self.running.append(self.waiting.popleft())
+            self.reserved_blocks += self._reservation(seq)
 
     def attended(self) -> int:
-        """Context positions the step attends: rows x longest in this app's padded buffer,
-        the sum of the contexts in a paged engine."""
-        if self.limits.padded_kv:
-            return len(self.running) * (max(s.kv_len for s in self.running) + 1)
-        return sum(s.kv_len + 1 for s in self.running)
+        """KV positions the step's attention works over (``attended_positions``); each row
+        holds its context plus the token the step writes."""
+        return attended_positions([s.kv_len + 1 for s in self.running], self.limits.kv_layout)
 
     def step_cost(self) -> float:
         return self.device.decode_ctx_s(len(self.running), self.attended())
@@ -470,6 +526,7 @@ class _Decoder:
             s.generated += 1
             if s.generated >= s.output_len:
                 s.finished_at = now
+                self.reserved_blocks -= self._reservation(s)
                 self.finish(s)
             else:
                 still.append(s)

@@ -59,13 +59,15 @@ def compare_run(system: System, run: dict[str, Any], slos: dict[str, float]) -> 
 
 
 def validate(devices: dict[str, DeviceProfile], results: dict[str, str | Path],
-             slos: dict[str, float] | None = None) -> list[dict[str, Any]]:
-    """``results``: system kind (``split``/``colocated``) -> results.json path."""
+             slos: dict[str, float] | None = None,
+             limits: EngineLimits | None = None) -> list[dict[str, Any]]:
+    """``results``: system kind (``split``/``colocated``) -> results.json path; ``limits``:
+    the engine's (default ``EngineLimits()``: this engine, paged KV)."""
     out = []
     for kind, path in results.items():
         data = json.loads(Path(path).read_text())
         run_slos = slos if slos is not None else data["config"].get("slos_ms") or {}
-        system = local_system(kind, devices)
+        system = local_system(kind, devices, limits)
         for run in data["runs"]:
             out.append({"system": kind, "slos_ms": run_slos,
                         **compare_run(system, run, run_slos)})

@@ -39,7 +39,7 @@ from planner.simulator import (
 from planner.validate import compare_run
 
 NO_WAIT = EngineLimits(max_batch_size=16, token_budget=4096, prefill_max_rows=8,
-                       batch_wait_s=0.0, padded_kv=False)
+                       batch_wait_s=0.0)
 
 
 def device(name="dev", *, prefill_per_token=0.001, prefill_base=0.01, step=0.02,
@@ -164,7 +164,7 @@ def test_device_from_measurement_fits_passes_and_hop():
 
 def test_single_request_split_equals_the_service_times():
     dev = device(hop_latency=0.004, hop_gbs=1.0, overhead=0.003)
-    lim = EngineLimits(batch_wait_s=0.005, padded_kv=False)
+    lim = EngineLimits(batch_wait_s=0.005)
     r = simulate(SplitSystem(dev, dev, 1, 1, lim), [Arrival(0.0, 500, 11)]).records[0]
     prefill = 2 * 0.01 + 0.001 * 500  # two passes: chunks of 256 and 244 tokens
     hop = 0.004 + 500 * 1000 / 1e9
@@ -188,7 +188,7 @@ def test_one_output_token_finishes_at_the_first_token():
 
 def test_queueing_grows_as_load_nears_capacity():
     dev = device(prefill_base=0.0, prefill_per_token=0.001)  # 0.5 s per 500-token prompt
-    lim = EngineLimits(token_budget=500, prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
+    lim = EngineLimits(token_budget=500, prefill_max_rows=1, batch_wait_s=0.0)
     ttft = {}
     for rate in (0.2, 1.0, 1.7):  # capacity 2 req/s
         w = Workload(rate, LengthDist.fixed(500), LengthDist.fixed(4), 400, seed=1)
@@ -206,7 +206,7 @@ def test_queueing_grows_as_load_nears_capacity():
 def test_prefill_passes_share_rows_and_add_replicas_parallelize():
     dev = device(prefill_base=0.1, prefill_per_token=0.0)
     arrivals = [Arrival(0.0, 100, 2) for _ in range(4)]
-    whole = EngineLimits(batch_wait_s=0.0, padded_kv=False, prefill_chunk_tokens=4096)
+    whole = EngineLimits(batch_wait_s=0.0, prefill_chunk_tokens=4096)
     one = simulate(SplitSystem(dev, dev, 1, 1, whole), arrivals).records
     # all four arrive together: one padded pass of 4 rows, everyone's first token at 0.1 s
     assert [r.ttft_s for r in one] == pytest.approx([0.1] * 4)
@@ -215,7 +215,7 @@ def test_prefill_passes_share_rows_and_add_replicas_parallelize():
     chunked = simulate(SplitSystem(dev, dev, 1, 1, NO_WAIT), arrivals).records
     assert sorted(r.ttft_s for r in chunked) == pytest.approx([0.1, 0.1, 0.2, 0.2])
     # one row per pass: the passes run in turn
-    lim = EngineLimits(prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False,
+    lim = EngineLimits(prefill_max_rows=1, batch_wait_s=0.0,
                        prefill_routing="least_loaded")
     serial = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
     assert sorted(r.ttft_s for r in serial) == pytest.approx([0.1, 0.2, 0.3, 0.4])
@@ -225,7 +225,7 @@ def test_prefill_passes_share_rows_and_add_replicas_parallelize():
 
 def test_decode_batch_limit_queues_sequences():
     dev = device(prefill_base=0.0, prefill_per_token=0.0)
-    lim = EngineLimits(max_batch_size=1, batch_wait_s=0.0, padded_kv=False)
+    lim = EngineLimits(max_batch_size=1, batch_wait_s=0.0)
     recs = simulate(SplitSystem(dev, dev, 1, 1, lim),
                     [Arrival(0.0, 10, 3), Arrival(0.0, 10, 3)]).records
     # the second waits for the first's two steps before its own two
@@ -258,7 +258,7 @@ def test_chunked_colocated_bounds_the_stall():
 
 def test_goodput_counts_only_requests_meeting_every_slo():
     dev = device(prefill_base=0.0, prefill_per_token=0.001)
-    lim = EngineLimits(token_budget=400, prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
+    lim = EngineLimits(token_budget=400, prefill_max_rows=1, batch_wait_s=0.0)
     res = simulate(SplitSystem(dev, dev, 1, 1, lim), [Arrival(0.0, 400, 2),
                                                       Arrival(0.0, 400, 2)])
     s = res.summary({"ttft": 600})  # first 0.4 s, second 0.8 s
@@ -323,7 +323,7 @@ def test_search_picks_the_obviously_better_hardware():
 
 def test_max_goodput_rate_finds_capacity():
     dev = device(prefill_base=0.0, prefill_per_token=0.001)  # 0.1 s per prompt
-    lim = EngineLimits(token_budget=100, prefill_max_rows=1, batch_wait_s=0.0, padded_kv=False)
+    lim = EngineLimits(token_budget=100, prefill_max_rows=1, batch_wait_s=0.0)
     w = Workload(1.0, LengthDist.fixed(100), LengthDist.fixed(2), 300, seed=4)
     rate, s = planner_search.max_goodput_rate(SplitSystem(dev, dev, 1, 1, lim), w,
                                               {"ttft": 500}, min_span_s=20.0)
@@ -340,15 +340,155 @@ def test_cli_simulate_runs(capsys):
     assert "split 1xH100 : 1xA100" in out and "per M output tokens" in out
 
 
-def test_padded_batch_attends_rows_times_longest_paged_attends_each_context():
-    dev = DeviceProfile("ctx", PassCost(0.0, Linear(0.0, 0.0, 0.0)),
-                        PassCost(0.0, Linear(0.0, 0.0, 1e-4)), 0, 1 << 20)
-    # one prefill pass (prompts of 900 and 1000 tokens share it: padding under a quarter)
-    arrivals = [Arrival(0.0, 900, 2), Arrival(0.0, 1000, 2)]
-    for pow2, expected in ((True, 2 * 1001 * 1e-4), (False, (901 + 1001) * 1e-4)):
-        lim = EngineLimits(batch_wait_s=0.0, padded_kv=pow2, prefill_chunk_tokens=4096)
-        recs = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
-        assert [r.e2e_s - r.ttft_s for r in recs] == pytest.approx([expected] * 2)
+# ---- the decode replica's KV: the engine's paged pool --------------------------------------
+
+
+def _ctx_device(kv_budget=1 << 20) -> DeviceProfile:
+    """Free prefill and hop; a decode step costs 1e-4 s per KV position it attends."""
+    return DeviceProfile("ctx", PassCost(0.0, Linear(0.0, 0.0, 0.0)),
+                         PassCost(0.0, Linear(0.0, 0.0, 1e-4)), 0, kv_budget)
+
+
+# alike: prompts of 900 and 1000 tokens (one prefill pass: padding under a quarter), rows
+# of 901 and 1001 positions at their first step; outlier: three 64-token chats and a
+# 1,024-token document with 960 tokens cached (four 64-token chunks, one pass), rows of
+# 65, 65, 65 and 1,025 positions
+_ALIKE = [Arrival(0.0, 900, 2), Arrival(0.0, 1000, 2)]
+_OUTLIER = [*(Arrival(0.0, 64, 2) for _ in range(3)), Arrival(0.0, 1024, 2, cached_len=960)]
+
+
+@pytest.mark.parametrize(("layout", "alike", "outlier"), [
+    # the engine: padded to the longest while that copies at most twice the positions
+    # held (2 x 1001 <= 2 x 1902), exact once it would not (4 x 1025 > 2 x 1220)
+    ("paged", 2 * 1001, 65 * 3 + 1025),
+    ("inplace", 901 + 1001, 65 * 3 + 1025),  # every row its own positions
+    ("padded", 2 * 1001, 4 * 1025),  # the old buffer: every row the longest's
+])
+def test_decode_step_attends_what_the_layout_gathers(layout, alike, outlier):
+    lim = EngineLimits(batch_wait_s=0.0, kv_layout=layout, prefill_chunk_tokens=4096)
+    for arrivals, positions in ((_ALIKE, alike), (_OUTLIER, outlier)):
+        recs = simulate(SplitSystem(_ctx_device(), _ctx_device(), 1, 1, lim), arrivals).records
+        assert len({r.ttft_s for r in recs}) == 1  # one prefill pass, one decode step
+        assert [r.e2e_s - r.ttft_s for r in recs] == pytest.approx(
+            [positions * 1e-4] * len(arrivals))
+
+
+@pytest.mark.parametrize("lengths", [
+    [1], [7, 7, 7], [3, 17, 9], [3, 40, 2], [901, 1001], [65, 65, 65, 1025],
+    [1, 1, 4],  # padded copies exactly twice the positions held: still padded
+    [1, 1, 5],  # just over twice: exact
+    [16, 17, 200, 33],
+])
+def test_gather_rule_is_the_engines(lengths):
+    """The planner's padded-or-exact choice and positions equal the engine's own decode step
+    (``PagedDecodeStep.build``) over rows of ``lengths`` positions."""
+    import torch
+
+    from app.kv_cache import DEFAULT_BLOCK_SIZE, LayerSpan, PagedKVCache, contiguous_tables
+    from app.kv_package import KVLayout
+    from app.paged_attention import _EXACT_OVER_PADDED, PagedDecodeStep
+    from planner.simulator import (
+        EXACT_OVER_PADDED,
+        KV_BLOCK_TOKENS,
+        attended_positions,
+        gathers_exact,
+    )
+
+    assert (KV_BLOCK_TOKENS, EXACT_OVER_PADDED) == (DEFAULT_BLOCK_SIZE, _EXACT_OVER_PADDED)
+    cpu = torch.device("cpu")
+    tables = contiguous_tables(len(lengths), max(lengths), KV_BLOCK_TOKENS)
+    cache = PagedKVCache(KVLayout(1, 1, 2, "float32"), [LayerSpan(0, 1, cpu)],
+                         sum(map(len, tables)), KV_BLOCK_TOKENS, torch.float32)
+    step = PagedDecodeStep.build(cache, tables, [n - 1 for n in lengths])
+    assert gathers_exact(lengths) is step.exact
+    assert attended_positions(lengths, "paged") == step.read_slots[cpu].numel()
+
+
+@pytest.mark.parametrize(("layout", "ends"), [
+    ("paged", [0.2, 0.2, 0.4]),  # 3 blocks each in a pool of 6: the third waits
+    ("inplace", [0.2, 0.2, 0.4]),  # the same pool
+    ("padded", [0.2, 0.4, 0.6]),  # the old buffer: 2 rows x 128 positions > 100 tokens
+])
+def test_decode_admission_stops_when_the_pool_runs_out_of_blocks(layout, ends):
+    """Three sequences of 22 + 11 tokens under a 100-token KV budget: 99 tokens would fit,
+    but each reserves 3 blocks of 16 and the pool has 100 // 16 = 6."""
+    dev = device(prefill_base=0.0, prefill_per_token=0.0, step=0.02, kv_budget=100)
+    lim = EngineLimits(batch_wait_s=0.0, kv_layout=layout)
+    arrivals = [Arrival(0.0, 22, 11) for _ in range(3)]
+    assert sum(a.input_len + a.output_len for a in arrivals) <= 100
+    recs = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
+    assert sorted(r.e2e_s for r in recs) == pytest.approx(ends)
+
+
+class _NoKV:
+    """The engine's KV pool, reduced to what admission touches."""
+
+    def write(self, table, kv) -> None:
+        pass
+
+
+class _Runner:
+    max_model_len = 1 << 20
+    kv_device = "cpu"
+
+    def make_kv_cache(self, num_blocks, block_size):
+        return _NoKV()
+
+
+class _Package:
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
+
+    def kv_tensor(self, device):
+        return None
+
+
+@pytest.mark.parametrize(("budget", "requests"), [
+    (100, [(23, 10)] * 3),  # 99 tokens, 9 blocks of 6: two join
+    (96, [(38, 10)] * 3),  # 48 tokens = 3 blocks each: the first two fill the pool exactly
+    (100, [(10, 6), (100, 50), (5, 5)]),  # the second's 10 blocks hold back the third
+    (100, [(10, 6)] * 7),  # one block each: 6 join (the pool is 100 // 16 blocks, not 7)
+    (15, [(3, 5)] * 2),  # a budget under one block: a pool of one block
+    (1 << 14, [(500, 300)] * 20),  # 16 rows, then the batch is full
+])
+def test_decode_admission_is_the_engines(budget, requests):
+    """The simulated decode replica admits the same sequences as the engine's ``Decoder``
+    with the same KV budget (``max_kv_tokens``) and batch bound."""
+    from collections import deque
+
+    from app.decode import Decoder
+    from app.sampling import SamplingParams
+    from app.sequence import Sequence
+    from planner.simulator import _Decoder, _Req, _Seq
+
+    engine = Decoder(_Runner(), eos_token_ids=frozenset(), max_batch_size=16,
+                     max_kv_tokens=budget)
+    for i, (prompt, max_tokens) in enumerate(requests):
+        engine.add(Sequence(f"r{i}", [5] * prompt, SamplingParams(max_tokens=max_tokens)),
+                   _Package(prompt))
+    engine._admit()
+    sim = _Decoder(device(kv_budget=budget), EngineLimits(max_batch_size=16), None, None)
+    sim.waiting = deque(_Seq(_Req(Arrival(0.0, p, m), 0.0, i))
+                        for i, (p, m) in enumerate(requests))
+    sim.admit()
+    assert len(sim.running) == len(engine.running) < len(requests)
+    assert sim.reserved_blocks == engine.reserved_blocks
+
+
+def test_cli_defaults_model_this_engines_paged_pool():
+    from planner.__main__ import _build_parser, _limits
+
+    ap = _build_parser()
+    assert EngineLimits().kv_layout == "paged"
+    assert _limits(ap.parse_args(["simulate"])).kv_layout == "paged"  # this machine
+    assert ap.parse_args(["validate", "--profile", "p.json"]).kv_layout == "paged"
+    # roofline GPUs: efficiencies of vLLM, whose kernel reads the blocks in place
+    assert _limits(ap.parse_args(["search"])).kv_layout == "inplace"
+    assert _limits(ap.parse_args(["simulate", "--kv-layout", "padded"])).kv_layout == "padded"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["simulate", "--kv-layout", "contiguous"])
+    with pytest.raises(ValueError, match="KV layout"):
+        EngineLimits(kv_layout="contiguous")
 
 
 def test_cli_takes_a_transformers_config_file(tmp_path, capsys):
@@ -416,7 +556,7 @@ def test_chunked_prefill_lets_a_short_prompt_pass_a_long_one(kind):
     arrivals = [Arrival(0.0, 2048, 2), Arrival(0.1, 64, 2)]
 
     def system(chunk):
-        lim = EngineLimits(batch_wait_s=0.0, padded_kv=False, prefill_chunk_tokens=chunk)
+        lim = EngineLimits(batch_wait_s=0.0, prefill_chunk_tokens=chunk)
         if kind == "split":
             return SplitSystem(dev, dev, 1, 1, lim)
         return ColocatedSystem(dev, 1, lim)
@@ -440,14 +580,14 @@ def test_fairness_bound_keeps_a_long_prompt_from_starving():
     arrivals = [Arrival(0.0, 1024, 2), *shorts]
 
     def long_ttft(fairness_s):
-        lim = EngineLimits(batch_wait_s=0.0, padded_kv=False, prefill_fairness_s=fairness_s)
+        lim = EngineLimits(batch_wait_s=0.0, prefill_fairness_s=fairness_s)
         return _ttft_of(simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records, 1024)
 
     # 4 chunks of 256, each leading every other pass (the others: 4 chats of 64) from 1 s on
     assert long_ttft(1.0) < 1.0 + 8 * 0.256 + 0.1
     assert long_ttft(1e9) > 10.0  # starved until the chats stop coming
     # the chats still get every other pass: the fair run serves every one of them
-    lim = EngineLimits(batch_wait_s=0.0, padded_kv=False, prefill_fairness_s=1.0)
+    lim = EngineLimits(batch_wait_s=0.0, prefill_fairness_s=1.0)
     assert len(simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records) == 201
 
 
@@ -475,7 +615,7 @@ def test_prefix_hit_rate_of_half_halves_prefill_compute(kind):
     dev = DeviceProfile("d", PassCost(0.0, Linear(0.0, 0.001, 0.0)),
                         PassCost(0.0, Linear(0.01, 0.0, 1e-5)), 1000, 1 << 20,
                         hop_latency_s=0.0, hop_gbs=0.001, power_prefill_w=100.0)
-    lim = EngineLimits(batch_wait_s=0.0, padded_kv=False)
+    lim = EngineLimits(batch_wait_s=0.0)
     system = (SplitSystem(dev, dev, 1, 1, lim) if kind == "split"
               else ColocatedSystem(dev, 1, lim))
     cold = simulate(system, [Arrival(0.0, 1024, 3)])
@@ -496,7 +636,7 @@ def test_n_answers_cost_one_prefill_and_n_decode_sequences(kind):
     dev = DeviceProfile("d", PassCost(0.0, Linear(0.0, 0.001, 0.0)),
                         PassCost(0.0, Linear(0.01, 0.005, 0.0)), 1000, 1 << 20,
                         hop_gbs=1e9, power_prefill_w=100.0)
-    lim = EngineLimits(batch_wait_s=0.0, padded_kv=False)
+    lim = EngineLimits(batch_wait_s=0.0)
     system = (SplitSystem(dev, dev, 1, 1, lim) if kind == "split"
               else ColocatedSystem(dev, 1, lim))
     one = simulate(system, [Arrival(0.0, 500, 5)])
@@ -516,7 +656,7 @@ def test_a_request_of_several_answers_is_good_only_when_every_answer_is():
     """Room for one sequence per decode batch: the second answer waits for the first, so
     its TPOT is twice the step; the request's TPOT is the worst answer's."""
     dev = device(prefill_base=0.0, prefill_per_token=0.001, step=0.02)
-    lim = EngineLimits(max_batch_size=1, batch_wait_s=0.0, padded_kv=False)
+    lim = EngineLimits(max_batch_size=1, batch_wait_s=0.0)
     res = simulate(SplitSystem(dev, dev, 1, 1, lim), [Arrival(0.0, 100, 5, n=2)])
     [rec] = res.records
     assert rec.ttft_s == pytest.approx(0.1)
