@@ -123,6 +123,7 @@ class Ingress:
         """What this ingress replica holds now: answers in flight and the KV budget."""
         out: dict[str, Any] = {"in_flight": self.in_flight,
                                "prefill_backlog_tokens": self.path.prefill_backlog_tokens,
+                               "local_backlog_tokens": self.path.local_backlog_tokens,
                                "local_prefills_when_busy": self.path.local_when_busy}
         if self.kv_budget is not None:
             out.update(self.kv_budget.stats())

@@ -99,6 +99,29 @@ class SharedPackage:
     reservation: Reservation
 
 
+class Backlog:
+    """One prompt's tokens in ``SplitPath``'s backlog counts, from the moment it is sent to
+    a phase until its stream starts (or it fails); ``drop`` takes them out, once."""
+
+    def __init__(self, path: SplitPath, tokens: int, *, local: bool, short: bool) -> None:
+        self.path, self.tokens, self.local, self.short = path, tokens, local, short
+        self._count(+1)
+
+    def _count(self, sign: int) -> None:
+        n = sign * self.tokens
+        if self.local:
+            self.path.local_backlog_tokens += n
+            return
+        self.path.prefill_backlog_tokens += n
+        if self.short:
+            self.path.short_backlog_tokens += n
+
+    def drop(self) -> None:
+        if self.tokens:
+            self._count(-1)
+            self.tokens = 0
+
+
 class SplitPath:
     """Runs requests through the phases.
 
@@ -109,11 +132,18 @@ class SplitPath:
     (``deployments.kv_budget``).
 
     Where a prompt is prefilled: on the decode replica when it is shorter than
-    ``local_prefill_threshold`` tokens, or shorter than ``local_prefill_when_busy`` while
-    the prefill phase is backed up (``prefill_backlog_tokens``, the prompt tokens this path
-    has sent it whose streams have not started yet, at least ``prefill_busy_tokens``:
-    a prompt sent there now would wait for at least one whole pass); otherwise on the
-    prefill phase.
+    ``local_prefill_threshold`` tokens; on the prefill phase when it is not shorter than
+    ``local_prefill_when_busy``, or while that phase is not backed up
+    (``prefill_backlog_tokens``, the prompt tokens this path has sent it whose streams have
+    not started, under ``prefill_busy_tokens``: the hop costs the running streams nothing).
+    A short prompt and a backed-up prefill phase: whichever side has fewer tokens ahead of
+    it. On the decode replica that is every local prompt not yet streaming
+    (``local_backlog_tokens``); on the prefill phase, which prefills shortest first, the
+    short prompts there (``short_backlog_tokens``) and, when longer prompts wait there, two
+    passes of them (``prefill_busy_tokens`` each): the pass under way, and the rest of the
+    short prompt's own pass, which the planner fills with a longer prompt's chunk. So a
+    burst of chats goes to the decode replicas' steps first and is shared with the prefill
+    phase only when the decode side has more ahead of it.
     """
 
     def __init__(self, prefill: Any | None, decode: Any, *, local_prefill_threshold: int,
@@ -129,7 +159,11 @@ class SplitPath:
         self.local_prefill_threshold = local_prefill_threshold
         self.local_prefill_when_busy = local_prefill_when_busy
         self.prefill_busy_tokens = max(1, prefill_busy_tokens)
-        self.prefill_backlog_tokens = 0  # sent to the prefill phase, stream not started
+        # prompt tokens whose streams have not started: sent to the prefill phase, of those
+        # the short ones (under local_prefill_when_busy), and sent to a decode replica
+        self.prefill_backlog_tokens = 0
+        self.short_backlog_tokens = 0
+        self.local_backlog_tokens = 0
         self.local_when_busy = 0  # prompts prefilled locally because the phase was busy
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
@@ -179,11 +213,17 @@ class SplitPath:
         return (self.prefill is None or preq.num_tokens < self.local_prefill_threshold
                 or self._busy_prefill_skipped(preq))
 
+    def _is_short(self, preq: PrefillRequest) -> bool:
+        return preq.num_tokens < self.local_prefill_when_busy
+
     def _busy_prefill_skipped(self, preq: PrefillRequest) -> bool:
-        """A short prompt that the backed-up prefill phase would keep waiting for at least
-        a pass: the decode replica prefills it, in its decode steps."""
-        return (preq.num_tokens < self.local_prefill_when_busy
-                and self.prefill_backlog_tokens >= self.prefill_busy_tokens)
+        """A short prompt that the backed-up prefill phase would keep waiting longer than
+        the decode replicas would: they prefill it, in their decode steps."""
+        if not self._is_short(preq) or self.prefill_backlog_tokens < self.prefill_busy_tokens:
+            return False
+        longer = self.prefill_backlog_tokens - self.short_backlog_tokens
+        ahead_there = self.short_backlog_tokens + min(longer, 2 * self.prefill_busy_tokens)
+        return self.local_backlog_tokens < ahead_there
 
     async def reserve_kv(self, preq: PrefillRequest, trace: RequestTrace | None = None
                          ) -> Reservation:
@@ -251,7 +291,7 @@ class SplitPath:
         ref: ray.ObjectRef | None = None
         prefill_call = None
         held: Reservation | None = None  # a shared package's is released by the caller
-        backlog = 0  # this attempt's tokens in prefill_backlog_tokens
+        backlog: Backlog | None = None  # this attempt's tokens in a backlog count
         if shared is not None:
             package, choice = shared
             ref = package.ref
@@ -260,17 +300,17 @@ class SplitPath:
             if self.prefill is not None and preq.num_tokens >= self.local_prefill_threshold:
                 self.local_when_busy += 1
                 trace.prefill_busy_backlog = self.prefill_backlog_tokens
+            backlog = Backlog(self, preq.num_tokens, local=True, short=False)
             stream = self.decode.options(stream=True).generate_local.remote(preq)
         else:
             held = await self.reserve_kv(preq, trace)
-            backlog = preq.num_tokens
-            self.prefill_backlog_tokens += backlog
+            backlog = Backlog(self, preq.num_tokens, local=False, short=self._is_short(preq))
             try:
                 prefill_call = self.prefill.make_kv_package.remote(preq)
                 ref = await prefill_call._to_object_ref()
             except BaseException:
                 held.release()
-                self.prefill_backlog_tokens -= backlog
+                backlog.drop()
                 if prefill_call is not None:
                     prefill_call.cancel()  # client gone or timed out: drop the queued prompt
                 raise
@@ -287,13 +327,14 @@ class SplitPath:
                         trace.kv_locations, trace.kv_object_size = self.locate(ref)
                     ref = None  # decode holds the package: the ingress needs no ref
                     prefill_call = None
-                    self.prefill_backlog_tokens -= backlog
-                    backlog = 0
+                    if backlog is not None:
+                        backlog.drop()
                     continue
                 yield item
         finally:
             stream.cancel()
-            self.prefill_backlog_tokens -= backlog
+            if backlog is not None:
+                backlog.drop()
             if held is not None:
                 held.release()
             if prefill_call is not None:

@@ -593,3 +593,51 @@ def test_the_backlog_is_given_back_when_a_queued_prefill_fails_or_is_cancelled()
 
 async def run_async(path: SplitPath, preq: PrefillRequest) -> list[TokenEvent]:
     return [ev async for ev in path.resumable_stream(preq, RequestTrace())]
+
+
+def test_a_burst_of_short_prompts_is_shared_between_the_phases_by_tokens_ahead():
+    """With a document queued at the prefill phase, 64-token chats arriving together go to
+    whichever side has fewer tokens ahead of them: the decode replicas' local prompts not
+    yet streaming, against the short prompts at the prefill phase plus two passes of the
+    document (the one under way, and the chunk that fills the chat's own pass)."""
+    release = asyncio.Event()
+
+    def held(preq: PrefillRequest) -> AsyncIterator[Any]:
+        async def gen():
+            await release.wait()  # no stream starts until the burst has been routed
+            async for item in token_stream(preq):
+                yield item
+        return gen()
+
+    prefill, decode = hop_handles(held)
+    decode.methods["generate_local"] = lambda preq: FakeCall(stream=held(preq))
+    path = split_path(prefill, decode, local_prefill_when_busy=128, prefill_busy_tokens=256)
+    doc = PrefillRequest("doc", tuple(range(1000)), SamplingParams(max_tokens=len(TOKENS),
+                                                                   temperature=0.0))
+    chats = [PrefillRequest(f"c{i}", tuple(range(64)),
+                            SamplingParams(max_tokens=len(TOKENS), temperature=0.0))
+             for i in range(10)]
+
+    async def scenario():
+        tasks = [asyncio.create_task(run_async(path, doc))]
+        for chat in chats:
+            await asyncio.sleep(0.01)
+            tasks.append(asyncio.create_task(run_async(path, chat)))
+        await asyncio.sleep(0.05)
+        counts = (path.prefill_backlog_tokens, path.short_backlog_tokens,
+                  path.local_backlog_tokens)
+        release.set()
+        outs = await asyncio.gather(*tasks)
+        return counts, outs
+
+    counts, outs = asyncio.run(scenario())
+    assert all([e.token_id for e in out] == TOKENS for out in outs)
+    where = {(args[0][0] if name == "generate" else args[0]).request_id: name
+             for name, args in decode.calls}
+    # ahead at the prefill phase: 0 short + 2 x 256 of the document; locally 0, 64, ...
+    # tokens: c0-c7 go local (448 < 512), c8 hops (512 vs 512), c9 local (512 < 64 + 512)
+    assert [where[c.request_id] for c in chats] == [
+        "generate_local"] * 8 + ["generate", "generate_local"]
+    assert counts == (1000 + 64, 64, 9 * 64)
+    assert (path.prefill_backlog_tokens, path.short_backlog_tokens,
+            path.local_backlog_tokens) == (0, 0, 0)
