@@ -97,6 +97,7 @@ class SharedPackage:
 
     ref: ray.ObjectRef
     reservation: Reservation
+    local: bool = False  # made by a decode replica (or the colocated server)
 
 
 class Backlog:
@@ -243,23 +244,23 @@ class SplitPath:
         prefilled locally is prefilled by a decode replica (or the colocated server), whose
         package the answers read the same way. None when that phase cannot be reached: each
         answer then goes its own way, with retries. The package holds its room in the KV
-        budget until every answer's stream has ended: the caller releases it then
+        budget until every answer's stream has ended, wherever it was made (it is in an
+        object store either way): the caller releases it then
         (``SharedPackage.reservation``)."""
         local = self._prefills_locally(preq)
         phase = self.decode if local else self.prefill
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout_s
         try:
-            reservation = (Reservation(None, 0) if local else
-                           await asyncio.wait_for(self.reserve_kv(preq, trace),
-                                                  self.request_timeout_s))
+            reservation = await asyncio.wait_for(self.reserve_kv(preq, trace),
+                                                 self.request_timeout_s)
         except asyncio.TimeoutError:
             raise self._timeout(preq) from None
         call = phase.make_kv_package.remote(preq)
         try:
             ref = await asyncio.wait_for(call._to_object_ref(),
                                          max(0.0, deadline - loop.time()))
-            return SharedPackage(ref, reservation)
+            return SharedPackage(ref, reservation, local)
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
             reservation.release()
             call.cancel()
@@ -319,6 +320,9 @@ class SplitPath:
         try:
             async for item in stream:
                 if isinstance(item, StreamStart):
+                    if shared is not None and shared[0].local:
+                        # the package was made on the decode side: no hop to report
+                        item = dataclasses.replace(item, local_prefill=True)
                     trace.stream_start = item
                     if trace.cached_tokens is None:
                         trace.cached_tokens = item.cached_tokens

@@ -18,6 +18,7 @@ from app.errors import QueueFullError, RequestTimeoutError
 from app.messages import FinishReason, PrefillRequest, StreamStart, TokenEvent
 from app.output import GenerationFailed
 from app.sampling import SamplingParams
+from deployments.kv_budget import KVBudget
 from deployments.request_trace import RequestTrace
 from deployments.split_path import SplitPath, choice_request, is_retryable
 
@@ -295,26 +296,35 @@ def test_n_answers_share_one_prefill_and_a_lost_answer_resumes_alone():
 def test_n_answers_on_the_local_path_share_one_prefill_on_the_decode_side(colocated):
     """The colocated app, and a prompt under local_prefill_threshold: the decode side makes
     the one package (make_kv_package) and each answer's stream reads it with its choice;
-    the prefill phase is never called."""
+    the prefill phase is never called. The answers' traces say the prefill was local, and
+    in the split app the package (in the decode node's object store) holds its room in the
+    KV budget until the caller releases it."""
     decode = FakeHandle(
         make_kv_package=lambda preq: FakeCall(value=preq),
         generate=lambda wrapped, choice=None: FakeCall(
             stream=token_stream(choice_request(wrapped[0], choice))))
     prefill = None if colocated else FakeHandle()
-    path = split_path(prefill, decode, local_prefill_threshold=0 if colocated else 4)
+    budget = None if colocated else KVBudget(10_000)
+    path = split_path(prefill, decode, local_prefill_threshold=0 if colocated else 4,
+                      kv_budget=budget, kv_bytes_per_token=100)
     preq = PrefillRequest("req", (1, 2, 3), SamplingParams(max_tokens=4, seed=1), n=2)
+    traces = [RequestTrace(), RequestTrace()]
 
     async def all_answers():
         shared = await path.shared_prefill(preq)
-        assert shared.ref is preq
+        assert shared.ref is preq and shared.local
+        if budget is not None:
+            assert budget.used == 300  # 3 prompt tokens x 100 bytes
         answers = []
         for k in range(2):
-            stream = path.resumable_stream(choice_request(preq, k), RequestTrace(),
-                                           (shared, k))
+            stream = path.resumable_stream(choice_request(preq, k), traces[k], (shared, k))
             answers.append([e.token_id async for e in stream])
+        shared.reservation.release()
         return answers
 
     assert asyncio.run(all_answers()) == [TOKENS] * 2
+    assert [t.as_dict()["prefill_path"] for t in traces] == ["local", "local"]
+    assert budget is None or budget.used == 0
     assert [(name, args[1:]) for name, args in decode.calls] == [
         ("make_kv_package", ()), ("generate", (0,)), ("generate", (1,))]
     assert prefill is None or prefill.calls == []
