@@ -32,6 +32,7 @@ from load_tests.workloads import LengthDist
 from planner import hardware, search, validate
 from planner.hardware import DeviceProfile
 from planner.simulator import (
+    COLOCATED_POLICIES,
     KV_LAYOUTS,
     ColocatedSystem,
     EngineLimits,
@@ -69,7 +70,10 @@ def _limits(args: argparse.Namespace) -> EngineLimits:
                         kv_layout=args.kv_layout,
                         prefill_chunk_tokens=args.prefill_chunk,
                         prefill_fairness_s=args.prefill_fairness_s,
-                        prefill_routing=args.prefill_routing)
+                        prefill_routing=args.prefill_routing,
+                        local_prefill_threshold=args.local_prefill_threshold,
+                        local_prefill_when_busy=args.local_prefill_when_busy,
+                        prefill_busy_tokens=args.prefill_busy_tokens)
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -105,6 +109,7 @@ def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
     p.add_argument("--prefill-routing", choices=("affinity", "least_loaded"),
                    default="affinity", help="prefill replica choice: the app's prefix-"
                    "affinity router (a home replica unless 4 requests busier) or least loaded")
+    _local_prefill_args(p)
     p.add_argument("--prefix-hit-rate", type=float, default=0.0,
                    help="fraction of each prompt's tokens served by the prefix cache (whole "
                    "16-token blocks; only the rest is computed, the KV hop and decode carry "
@@ -112,6 +117,32 @@ def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
     p.add_argument("--n", type=int, default=1,
                    help="answers per request: one prefill, n decode sequences; a request is "
                    "good when every answer meets the SLOs")
+
+
+def _local_prefill_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--local-prefill-threshold", type=int, default=0,
+                   help="split: a prompt shorter than this many tokens is prefilled on a decode "
+                   "replica, in its decode steps (the app's local_prefill_threshold); 0: none")
+    p.add_argument("--local-prefill-when-busy", type=int, default=128,
+                   help="split: a prompt shorter than this many tokens goes to whichever side "
+                   "has fewer tokens ahead of it while the prefill phase is backed up (the "
+                   "app's local_prefill_when_busy and its default); 0: every prompt hops")
+    p.add_argument("--prefill-busy-tokens", type=int, default=None,
+                   help="split: the prefill phase is backed up while the prompt tokens sent to "
+                   "it whose streams have not started are at least this many (default: one "
+                   "prefill pass, min(--token-budget, --prefill-chunk), as the app's)")
+
+
+def _policy_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", choices=COLOCATED_POLICIES, default="mixed",
+                   help="how a replica that prefills and decodes shares its engine: mixed = "
+                   "this app (engine.mixed_batch, the default): while sequences decode, "
+                   "waiting prompts' chunks ride in the decode steps under one prefill pass's "
+                   "budget, decode rows included, at least a quarter of it for the chunks; "
+                   "interleave = this app with mixed_batch: false: prefill passes between the "
+                   "decode steps; chunked = vLLM/Sarathi-style, not this app: the oldest "
+                   "prompt's --chunk-tokens in every step (colocated only). For the split: "
+                   "its decode replicas' local prompts (mixed or interleave)")
 
 
 def _kv_layout_arg(p: argparse.ArgumentParser, default: str) -> None:
@@ -165,8 +196,9 @@ def _add_simulate_parser(sub: Any) -> None:
     ps.add_argument("--num-prefill", type=int, default=1)
     ps.add_argument("--num-decode", type=int, default=1)
     ps.add_argument("--num-replicas", type=int, default=1)
-    ps.add_argument("--policy", choices=("interleave", "chunked"), default="interleave")
-    ps.add_argument("--chunk-tokens", type=int, default=512)
+    _policy_arg(ps)
+    ps.add_argument("--chunk-tokens", type=int, default=512,
+                    help="--policy chunked: prompt tokens per step")
     ps.add_argument("--trace", default=None, help="loadgen results.json or JSONL "
                     "{at,input,output} to replay instead of --rate/lengths")
 
@@ -190,6 +222,11 @@ def _add_validate_parser(sub: Any) -> None:
     pv.add_argument("--stack-colocated", default=None,
                     help="stack JSON measured on the colocated app, added to cpu-2t")
     _kv_layout_arg(pv, default="paged")
+    pv.add_argument("--policy", choices=("mixed", "interleave"), default="mixed",
+                    help="the colocated replica's (and the split's decode replicas'): mixed = "
+                    "engine.mixed_batch on (the default), interleave = off, or runs of an "
+                    "engine from before mixed batching")
+    _local_prefill_args(pv)
     pv.add_argument("--json", default=None, help="also write the comparison here")
 
 
@@ -202,6 +239,13 @@ def _add_search_parser(sub: Any) -> None:
     pz.add_argument("--budget", type=float, default=None,
                     help="$/hour to compare at (default: the dearest candidate's price)")
     pz.add_argument("--target", type=float, default=0.9, help="SLO attainment for goodput")
+    pz.add_argument("--colocated-policies", default="mixed,chunked",
+                    help="colocated variants to search (comma-separated): mixed = this app "
+                    "(engine.mixed_batch, its default), interleave = this app with "
+                    "mixed_batch: false, chunked = vLLM/Sarathi-style with --chunk-tokens "
+                    "per step (not this app)")
+    pz.add_argument("--chunk-tokens", type=int, default=512,
+                    help="the chunked variant's prompt tokens per step")
     pz.add_argument("--plot", default=None, help="PNG of goodput vs price")
     pz.add_argument("--json", default=None)
 
@@ -241,8 +285,11 @@ def _cmd_validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     if not results:
         ap.error("give --split and/or --colocated results")
     slos = parse_slos(args.slo) if args.slo else None
-    comps = validate.validate(_validation_devices(args), results, slos,
-                              EngineLimits(kv_layout=args.kv_layout))
+    limits = EngineLimits(kv_layout=args.kv_layout,
+                          local_prefill_threshold=args.local_prefill_threshold,
+                          local_prefill_when_busy=args.local_prefill_when_busy,
+                          prefill_busy_tokens=args.prefill_busy_tokens)
+    comps = validate.validate(_validation_devices(args), results, slos, limits, args.policy)
     print(validate.table(comps))
     if args.json:
         Path(args.json).write_text(json.dumps(comps, indent=1))
@@ -284,6 +331,9 @@ def _with_stack(device: DeviceProfile, name: str, path: str, hop: bool) -> Devic
 
 def _cmd_simulate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     slos = parse_slos(args.slo)
+    if args.system == "split" and args.policy == "chunked":
+        ap.error("--policy chunked is a colocated variant; the split's decode replicas run "
+                 "mixed or interleave")
     system = _simulated_system(args, _devices(args))
     if args.trace:  # the trace's lengths; --n and --prefix-hit-rate apply to every request
         runs = [[dataclasses.replace(a, n=args.n).with_prefix_hit_rate(args.prefix_hit_rate)
@@ -300,7 +350,7 @@ def _simulated_system(args: argparse.Namespace,
     limits = _limits(args)
     if args.system == "split":
         return SplitSystem(devs[args.prefill], devs[args.decode], args.num_prefill,
-                           args.num_decode, limits)
+                           args.num_decode, limits, decode_policy=args.policy)
     return ColocatedSystem(devs[args.device], args.num_replicas, limits, args.policy,
                            args.chunk_tokens)
 
@@ -329,9 +379,15 @@ def _cmd_search(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     missing = [k for k in kinds if k not in devs]
     if missing:
         ap.error(f"unknown or unfit hardware {missing}; known: {sorted(devs)}")
+    policies = [k.strip() for k in args.colocated_policies.split(",") if k.strip()]
+    unknown = [k for k in policies if k not in COLOCATED_POLICIES]
+    if unknown:
+        ap.error(f"unknown colocated policies {unknown}; known: {list(COLOCATED_POLICIES)}")
     result = search.search([devs[k] for k in kinds], _workload(args), slos,
                            limits=_limits(args), max_per_phase=args.max_per_phase,
-                           target=args.target, log=lambda m: print(m, file=sys.stderr))
+                           target=args.target, colocated_policies=policies,
+                           chunk_tokens=args.chunk_tokens,
+                           log=lambda m: print(m, file=sys.stderr))
     budget = args.budget or max(c.price_per_hour for cs in result.values() for c in cs)
     print(search.table(result, budget))
     if args.plot:

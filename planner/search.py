@@ -100,10 +100,13 @@ class Candidate:
 
 def search(devices: Sequence[DeviceProfile], workload: Workload, slos: dict[str, float], *,
            limits: EngineLimits | None = None, max_per_phase: int = 4, top_k: int = 3,
-           target: float = 0.9, colocated_policies: Sequence[str] = ("interleave", "chunked"),
+           target: float = 0.9, colocated_policies: Sequence[str] = ("mixed", "chunked"),
            chunk_tokens: int = 512, min_span_s: float = 60.0,
            log: Callable[[str], None] = lambda _: None) -> dict[str, list[Candidate]]:
-    """Best split and colocated candidates (each list sorted by goodput per dollar)."""
+    """Best split and colocated candidates (each list sorted by goodput per dollar).
+    ``colocated_policies``: ``ColocatedSystem.policy`` of the colocated candidates ("mixed":
+    this app; "interleave": this app with ``mixed_batch: false``; "chunked": vLLM-style,
+    ``chunk_tokens`` per step)."""
     limits = limits or EngineLimits()
     opts = {"target": target, "min_span_s": min_span_s}
     prefill_rate, decode_rate = _per_replica_rates(devices, workload, slos, limits, opts, log)
@@ -124,6 +127,8 @@ def _per_replica_rates(devices: Sequence[DeviceProfile], workload: Workload,
     prefill rate under the TTFT target, the decode rate under the TPOT target."""
     ttft_only = {k: v for k, v in slos.items() if k == "ttft"}
     tpot_only = {k: v for k, v in slos.items() if k == "tpot"}
+    # each phase on its own: no prompt is prefilled on a decode replica
+    limits = replace(limits, local_prefill_threshold=0, local_prefill_when_busy=0)
     prefill_rate, decode_rate = {}, {}
     best_decode = min(devices, key=lambda d: d.decode_s(16, 1024))
     for dev in devices:

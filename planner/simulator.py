@@ -14,6 +14,20 @@ The simulated engine follows the app's code path by path:
   ``prefill_chunk_s(rows, longest chunk, longest past)``. A prompt that arrives while a
   long one is being computed joins the next pass. A prompt's package leaves when its own
   last chunk ends. An idle queue waits ``batch_wait_s`` after a prompt wakes it.
+* **Where a prompt is prefilled** (``SplitPath._prefills_locally``): on a decode replica
+  when it is shorter than ``local_prefill_threshold`` (default 0: none), or shorter than
+  ``local_prefill_when_busy`` (default 128; 0: off) while the prefill phase is backed up
+  (the prompt tokens sent to it whose streams have not started are at least
+  ``prefill_busy_tokens``, by default one pass) and the decode side has fewer tokens ahead
+  of it (its local prompts not yet streaming) than the prefill phase (its short prompts
+  plus at most two passes of longer ones); otherwise on the prefill phase. A prompt's
+  tokens count from its routing until its stream starts: a local one when its package is
+  made, a remote one when the decode replica holds it (after the hop). An ``n > 1``
+  request (``SplitPath.shared_prefill``) is routed the same way and counted nowhere. The
+  counts are one ingress replica's (the app keeps them per ingress replica). A local
+  prompt goes to the least loaded decode replica's prefill queue (``DecodeServer``), which
+  runs as a colocated replica's (below; ``decode_policy``, ``mixed`` by default): its
+  chunks ride in that replica's decode steps, no KV hop.
 * **Routing to prefill** (``PrefixAffinityRouter``): each prompt has a home replica
   (rendezvous hashing of its first tokens: uniform over replicas here, drawn from a fixed
   seed) and goes there unless the home holds more than ``affinity_imbalance`` requests
@@ -23,7 +37,8 @@ The simulated engine follows the app's code path by path:
   included); decode yields the first token the moment it holds the package (TTFT).
 * **Several answers** (``n``): one prefill, then each answer is its own decode sequence on
   the least loaded decode replica, each with its own hop and its own KV (the prompt's KV
-  held once per answer), all of the request's ``output_len`` tokens.
+  held once per answer), all of the request's ``output_len`` tokens. A decode replica's
+  load is its sequences and its local prompts (what Serve's router counts).
 * **Decode replica** (``Decoder``): continuous batching; before each step it admits waiting
   sequences in order while the batch has a free row and the KV pool has room for the head
   of the queue (which, when it does not fit, holds back every sequence behind it). A step
@@ -49,14 +64,39 @@ The simulated engine follows the app's code path by path:
   Not modelled: the engine's cap of a reservation at ``max_model_len``, and its refusal of a
   sequence whose reservation does not fit even an empty pool (here it runs alone).
 * **Colocated replica** (``ColocatedServer``): one device does both, on one engine thread
-  that runs one pass at a time in the order they were submitted. Under the ``interleave``
-  policy (this app) the replica's prefill queue is the split's (same planner, same
-  chunks) and its passes alternate with decode steps while both have work: every running
-  stream waits for one prefill pass (one chunk) between two steps. The ``chunked`` policy
-  (vLLM/Sarathi-style mixed passes, not what this app does) instead mixes up to
-  ``chunk_tokens`` tokens of the oldest prompt into every decode step. An ``n > 1``
-  request is prefilled once; each answer decodes on the least loaded replica (a KV hop
-  when that is another replica).
+  that runs one pass at a time in the order they were submitted; its prefill queue is the
+  split's (same planner, same chunks). ``policy``:
+
+  - ``"mixed"`` (this app, ``EngineConfig.mixed_batch``, the default; ``PrefillQueue``
+    ``mix_into``/``take_chunks``, ``Prefiller.plan_chunks``, ``Decoder.step(plan)``):
+    while the decode loop has sequences, each of its steps carries the queue's next chunks,
+    planned before the step from the rows it may run (running + waiting, at most
+    ``max_batch_size``): the step computes at most one pass's tokens (``min(token_budget,
+    prefill_chunk_tokens)``) decode rows included, the chunks at least a quarter of that;
+    prompts in ``plan_pass``'s order (fairness, then shortest remaining first), each up
+    to ``prefill_chunk_tokens``, at most ``prefill_max_rows``, laid end to end. The step
+    costs one pass (as ``chunked``'s): the chunks' prefill compute (their tokens, and
+    attention pairs over each one's past) plus the decode step's, against the weights read
+    once, the decode rows' KV read and the chunks' KV written; plus the serving stack's
+    per-step cost (``decode_stack``) of the rows it streams.
+    With nothing decoding the queue runs passes of its own, as the split's prefill replica
+    does; when such a pass finishes a prompt and others wait, the queue plans its next pass
+    at once, and the decode loop's first step (planned during that pass, from the prompts
+    not in it) follows it; the sequences the loop held when it planned a step are the ones
+    that step admits. A prompt finished by a step or pass joins the decode batch at the
+    next step the loop plans (in the app, once its stream reaches the loop: that step or
+    the one after). With a measured profile (compute only) a mixed step costs what the
+    pass and the step cost apart; ``load_tests.mixed_bench`` measured 0.93x of that on
+    this CPU (not modelled); a roofline profile reads the weights once.
+  - ``"interleave"`` (this app with ``mixed_batch: false``): the queue's passes alternate
+    with decode steps while both have work: every running stream waits for one prefill
+    pass (one chunk) between two steps.
+  - ``"chunked"`` (vLLM/Sarathi-style mixed passes, not what this app does): up to
+    ``chunk_tokens`` tokens of the oldest prompt in every decode step, prompts one after
+    another.
+
+  An ``n > 1`` request is prefilled once; each answer decodes on the least loaded replica
+  (a KV hop when that is another replica).
 
 A request is good when every one of its answers meets every SLO: its record carries the
 worst answer's TTFT and TPOT and the last answer's end (``SimRecord``).
@@ -76,7 +116,7 @@ import json
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -94,6 +134,9 @@ KV_BLOCK_TOKENS = 16
 # the padded block would copy more than this many times the positions the rows hold.
 EXACT_OVER_PADDED = 2
 KV_LAYOUTS = ("paged", "inplace", "padded")
+# How a colocated replica shares its engine between prompts and decode steps: this app
+# (mixed_batch on, off), then the vLLM-style approximation (the module docstring).
+COLOCATED_POLICIES = ("mixed", "interleave", "chunked")
 # ``app.prefill.MAX_PADDING``: padding may add at most this fraction of a pass's real tokens.
 MAX_PADDING = 0.25
 # Prompts the planner looks at after the head of a pass: the engine scans the whole queue,
@@ -214,16 +257,38 @@ class EngineLimits:
     prefill_fairness_s: float = 5.0  # a prompt that waited this long leads every other pass
     prefill_routing: str = "affinity"  # "affinity" (PrefixAffinityRouter) | "least_loaded"
     affinity_imbalance: int = 4  # PrefixAffinityRouter's imbalance
+    # the split app's routing (``AppArgs``, ``SplitPath._prefills_locally``): a prompt
+    # shorter than ``local_prefill_threshold`` is prefilled on a decode replica (0: none);
+    # one shorter than ``local_prefill_when_busy`` too while the prefill phase is backed up
+    # (0: off); backed up from ``prefill_busy_tokens`` (None: one prefill pass)
+    local_prefill_threshold: int = 0
+    local_prefill_when_busy: int = 128
+    prefill_busy_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_routing not in ("affinity", "least_loaded"):
             raise ValueError(f"unknown prefill routing {self.prefill_routing!r}")
+        if self.local_prefill_threshold < 0 or self.local_prefill_when_busy < 0:
+            raise ValueError("local_prefill_threshold and local_prefill_when_busy must be >= 0")
+        if self.prefill_busy_tokens is not None and self.prefill_busy_tokens < 1:
+            raise ValueError("prefill_busy_tokens must be >= 1")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown KV layout {self.kv_layout!r}; known: {KV_LAYOUTS}")
         if self.kv_block_tokens < 1:
             raise ValueError("kv_block_tokens must be >= 1")
+
+    @property
+    def pass_tokens(self) -> int:
+        """What one prefill pass computes at most: ``min(token_budget,
+        prefill_chunk_tokens)``."""
+        return min(self.token_budget, self.prefill_chunk_tokens)
+
+    @property
+    def busy_prefill_tokens(self) -> int:
+        """``prefill_busy_tokens``, or one prefill pass (``AppArgs.busy_prefill_tokens``)."""
+        return max(1, self.prefill_busy_tokens or self.pass_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +298,14 @@ class SplitSystem:
     num_prefill: int = 1
     num_decode: int = 1
     limits: EngineLimits = field(default_factory=EngineLimits)
+    # how a decode replica runs the prompts it prefills itself (``DecodeServer``'s queue):
+    # "mixed" (``engine.mixed_batch``, the default) | "interleave" (``mixed_batch: false``)
+    decode_policy: str = "mixed"
+
+    def __post_init__(self) -> None:
+        if self.decode_policy not in ("mixed", "interleave"):
+            raise ValueError(f"unknown decode replica policy {self.decode_policy!r}; known: "
+                             "mixed, interleave")
 
     @property
     def price_per_hour(self) -> float:
@@ -241,7 +314,8 @@ class SplitSystem:
 
     def describe(self) -> str:
         p, d = self.prefill.name, self.decode.name
-        return f"split {self.num_prefill}x{p} : {self.num_decode}x{d}"
+        extra = ", decode interleave" if self.decode_policy == "interleave" else ""
+        return f"split {self.num_prefill}x{p} : {self.num_decode}x{d}{extra}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,19 +323,23 @@ class ColocatedSystem:
     device: DeviceProfile
     num_replicas: int = 1
     limits: EngineLimits = field(default_factory=EngineLimits)
-    policy: str = "interleave"  # "interleave" (this app) | "chunked"
-    chunk_tokens: int = 512
+    # "mixed" (this app: engine.mixed_batch, the default) | "interleave" (this app with
+    # mixed_batch: false) | "chunked" (vLLM/Sarathi-style, not this app); COLOCATED_POLICIES
+    policy: str = "mixed"
+    chunk_tokens: int = 512  # chunked only
 
     def __post_init__(self) -> None:
-        if self.policy not in ("interleave", "chunked"):
-            raise ValueError(f"unknown colocated policy {self.policy!r}")
+        if self.policy not in COLOCATED_POLICIES:
+            raise ValueError(f"unknown colocated policy {self.policy!r}; known: "
+                             f"{COLOCATED_POLICIES}")
 
     @property
     def price_per_hour(self) -> float:
         return self.num_replicas * self.device.price_per_hour
 
     def describe(self) -> str:
-        extra = f", chunked {self.chunk_tokens}" if self.policy == "chunked" else ""
+        extra = {"mixed": "", "interleave": ", interleave",
+                 "chunked": f", chunked {self.chunk_tokens}"}[self.policy]
         return f"colocated {self.num_replicas}x{self.device.name}{extra}"
 
 
@@ -297,6 +375,9 @@ class _Req:
     queued_at: float = 0.0  # when it joined its prefill queue (``PrefillJob.arrived``)
     answers: list[_Seq] = field(default_factory=list)
     finished: int = 0  # answers finished
+    local: bool = False  # prefilled on the replica that decodes it (colocated, or split local)
+    backlog: int = 0  # its tokens in a split backlog count, until its stream starts
+    short: bool = False  # counted in the short backlog too
 
     @property
     def remaining(self) -> int:
@@ -378,14 +459,24 @@ class _Busy:
     decode_s: float = 0.0
 
 
+@dataclass(slots=True)
+class _Chunks:
+    """The prompt part of one mixed step (``app.prefill.ChunkPlan``): the next ``sizes[k]``
+    tokens of each prompt of ``rows``; empty when no prompt had tokens left."""
+
+    rows: list[_Req] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+
+
 class _PrefillQueue:
-    """One replica's prompts waiting for prefill and the engine's pass planner
-    (``deployments.replica.PrefillQueue`` with ``app.prefill.Prefiller.plan_pass``)."""
+    """One replica's prompts waiting for prefill and the engine's planners
+    (``deployments.replica.PrefillQueue`` with ``app.prefill.Prefiller``: ``plan_pass`` for
+    a pass of its own, ``plan_chunks`` for the chunks of a mixed step)."""
 
     def __init__(self, device: DeviceProfile, limits: EngineLimits) -> None:
         self.device, self.limits = device, limits
         self.chunk_tokens = limits.prefill_chunk_tokens
-        self.pass_tokens = min(limits.token_budget, limits.prefill_chunk_tokens)
+        self.pass_tokens = limits.pass_tokens
         # live prompts by (remaining, queued_at, uid): shortest remaining first
         self._order: list[tuple[int, float, int, _Req]] = []
         self._by_age: deque[_Req] = deque()  # arrival order; finished ones dropped lazily
@@ -409,17 +500,26 @@ class _PrefillQueue:
     def chunk_of(self, r: _Req) -> int:
         return min(r.remaining, self.chunk_tokens)
 
+    def _head(self, now: float, busy: Collection[_Req] = ()) -> _Req | None:
+        """The prompt that leads the next pass or step (``Prefiller._order``): every other
+        time the longest-waiting prompt once one has waited ``prefill_fairness_s``, else the
+        shortest remaining. ``busy``: prompts in a pass under way (not planned again)."""
+        while self._by_age and self._by_age[0].remaining == 0:
+            self._by_age.popleft()
+        oldest = next((r for r in self._by_age if r.remaining and r not in busy), None)
+        if oldest is None:
+            return None
+        if now - oldest.queued_at > self.limits.prefill_fairness_s and not self._led_by_waiting:
+            self._led_by_waiting = True
+            return oldest
+        self._led_by_waiting = False
+        return next(r for _, _, _, r in self._order if r not in busy)
+
     def plan(self, now: float) -> list[_Req]:
         """The prompts of the next pass (``Prefiller.plan_pass``); [] when none waits."""
-        if not self._order:
+        head = self._head(now)
+        if head is None:
             return []
-        while self._by_age[0].remaining == 0:
-            self._by_age.popleft()
-        oldest = self._by_age[0]
-        if now - oldest.queued_at > self.limits.prefill_fairness_s and not self._led_by_waiting:
-            head, self._led_by_waiting = oldest, True
-        else:
-            head, self._led_by_waiting = self._order[0][3], False
         rows, chunks, pasts = [head], [self.chunk_of(head)], [head.done]
         for scanned, (_, _, _, r) in enumerate(self._order):
             if len(rows) >= self.limits.prefill_max_rows or scanned > _PLAN_SCAN:
@@ -441,18 +541,41 @@ class _PrefillQueue:
             pasts.append(r.done)
         return rows
 
+    def plan_chunks(self, now: float, decode_rows: int, busy: Collection[_Req] = ()) -> _Chunks:
+        """The chunks that ride in a decode step of ``decode_rows`` rows
+        (``Prefiller.plan_chunks``): the step computes at most one pass's tokens, decode rows
+        included, but the chunks always get at least a quarter of that; prompts in
+        ``_head``'s order, then shortest remaining first, each up to
+        ``prefill_chunk_tokens``, at most ``prefill_max_rows`` of them, laid end to end
+        (no padding). ``busy``: prompts in a pass under way."""
+        head = self._head(now, busy)
+        if head is None:
+            return _Chunks()
+        left = max(self.pass_tokens - decode_rows, self.pass_tokens // 4, 1)
+        plan = _Chunks()
+        for r in itertools.chain((head,), (e[3] for e in self._order)):
+            if left <= 0 or len(plan.rows) >= self.limits.prefill_max_rows:
+                break
+            if r in busy or (r is head and plan.rows):
+                continue
+            n = min(self.chunk_of(r), left)
+            plan.rows.append(r)
+            plan.sizes.append(n)
+            left -= n
+        return plan
+
     def pass_s(self, rows: list[_Req]) -> float:
         """One pass: every row padded to the longest chunk, every past to the longest."""
         return self.device.prefill_chunk_s(len(rows), max(self.chunk_of(r) for r in rows),
                                            max(r.done for r in rows))
 
-    def advance(self, rows: list[_Req]) -> list[_Req]:
-        """The pass of ``rows`` ended: each computed its chunk. Returns the prompts it
-        finished (their packages leave now)."""
+    def advance(self, rows: list[_Req], sizes: Sequence[int] | None = None) -> list[_Req]:
+        """The pass of ``rows`` ended: each computed its chunk (``sizes``, or its next
+        ``chunk_of``). Returns the prompts it finished (their packages leave now)."""
         finished = []
-        for r in rows:
+        for k, r in enumerate(rows):
             del self._order[bisect.bisect_left(self._order, self._key(r)[:3])]
-            c = self.chunk_of(r)
+            c = self.chunk_of(r) if sizes is None else sizes[k]
             r.done += c
             self.tokens -= c
             if r.remaining:
@@ -492,8 +615,11 @@ class _Decoder:
         blocks = pool_blocks(budget, self.limits.kv_block_tokens)
         return self.reserved_blocks + self._reservation(seq) <= blocks
 
-    def admit(self) -> None:
-        while self.waiting and len(self.running) < self.limits.max_batch_size:
+    def admit(self, limit: int | None = None) -> None:
+        """``limit``: of the waiting sequences, only the first so many may join."""
+        limit = len(self.waiting) if limit is None else limit
+        while self.waiting and len(self.running) < self.limits.max_batch_size and limit > 0:
+            limit -= 1
             seq = self.waiting[0]
             if not self._fits(seq) and self.running:
                 break
@@ -533,19 +659,280 @@ class _Decoder:
         self.running = still
 
 
+class _Engines:
+    """Replicas whose one engine both decodes and prefills prompts, one pass at a time in
+    the order they were submitted: the colocated app's ``ColocatedServer``, and the split
+    app's ``DecodeServer`` for the prompts it prefills itself. ``policy`` says how a
+    replica's prompts share the engine with its decode steps (``COLOCATED_POLICIES``; the
+    module docstring)."""
+
+    def __init__(self, device: DeviceProfile, n: int, limits: EngineLimits, policy: str,
+                 clock: _Clock, finish: Callable[[_Seq], None], chunk_tokens: int = 512) -> None:
+        self.device, self.limits, self.policy = device, limits, policy
+        self.chunk_tokens, self.clock, self.finish = chunk_tokens, clock, finish
+        self.busy = [_Busy() for _ in range(n)]
+        self.prefills = [_PrefillQueue(device, limits) for _ in range(n)]
+        self.mixed_queues: list[deque[_Req]] = [deque() for _ in range(n)]  # chunked
+        self.decoders = [_Decoder(device, limits, clock, finish) for _ in range(n)]
+        self.active = [False] * n
+        self.ready_at = [0.0] * n  # the prefill queue's wake-up wait ends
+        self.last_was_prefill = [False] * n  # interleave
+        # mixed: the rows of the queue's own pass under way, and the chunks of the step the
+        # decode loop planned while it ran (None: none planned)
+        self.own_pass: list[list[_Req] | None] = [None] * n
+        self.planned: list[_Chunks | None] = [None] * n
+        self.planned_joins = [0] * n  # the sequences the loop held then (it admits those)
+        self.on_prefilled: Callable[[_Req], None] = lambda r: None  # a prompt's package is made
+
+    def load(self, k: int) -> int:
+        """Replica ``k``'s streams and prompts (what Serve's router counts on it)."""
+        return self.decoders[k].load + len(self.prefills[k]) + len(self.mixed_queues[k])
+
+    def least_loaded(self) -> int:
+        return min(range(len(self.decoders)), key=self.load)
+
+    def add_prompt(self, i: int, r: _Req) -> None:
+        """``r`` joins replica ``i``'s prefill queue."""
+        now = self.clock.now
+        if self.policy == "chunked":
+            r.done = r.arrival.cached_len
+            self.mixed_queues[i].append(r)
+            if not self.active[i]:
+                self.active[i] = True
+                self.clock.at(now + self.limits.batch_wait_s, lambda: self.next_pass(i))
+            return
+        q = self.prefills[i]
+        q.add(r, now)
+        if q.idle:
+            q.idle = False
+            self.ready_at[i] = now + self.limits.batch_wait_s
+            self.clock.at(self.ready_at[i], lambda: self._wake(i))
+
+    def add_seq(self, j: int, s: _Seq, *, defer: bool = False) -> None:
+        """An answer whose first token is out joins replica ``j``'s decode loop; ``defer``:
+        after the other events of this instant (answers that arrive together join the same
+        first step)."""
+        self.decoders[j].waiting.append(s)
+        if self.active[j]:
+            if self.policy == "mixed" and self.own_pass[j] is not None \
+                    and self.planned[j] is None:
+                # the loop wakes during the queue's pass and plans its first step's chunks
+                # now (``DecodeLoop._take_chunks``); the step waits for the pass to end
+                self.planned[j] = self._plan_step(j)
+            return
+        self.active[j] = True
+        if defer:
+            self.clock.at(self.clock.now, lambda: self.next_pass(j))
+        else:
+            self.next_pass(j)
+
+    def _wake(self, i: int) -> None:
+        if not self.active[i]:
+            self.active[i] = True
+            self.next_pass(i)
+
+    def next_pass(self, i: int) -> None:
+        """What replica ``i`` runs next."""
+        if self.policy == "mixed":
+            self._next_mixed(i)
+            return
+        if self.policy == "chunked":
+            if self.mixed_queues[i]:
+                self._chunked_pass(i)
+            elif not self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i)):
+                self.active[i] = False
+            return
+        # interleave: the engine thread runs what was submitted first; while both loops
+        # have work, a prefill pass and a decode step take turns
+        q = self.prefills[i]
+        prefill_ready = len(q) > 0 and self.clock.now >= self.ready_at[i]
+        if prefill_ready and not self.last_was_prefill[i]:
+            self._prefill_pass(i)
+        elif self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i)):
+            self.last_was_prefill[i] = False
+        elif prefill_ready:
+            self._prefill_pass(i)
+        else:
+            self.active[i] = False  # a prompt still in its wake-up wait restarts it
+
+    def _prefilled(self, i: int, r: _Req) -> None:
+        """A prompt's prefill ended on replica ``i``: its answer decodes there (``n = 1``) or
+        each answer on the least loaded replica, through the object store."""
+        self.on_prefilled(r)
+        for s in _answers(r):
+            j = i
+            if r.arrival.n > 1:
+                j = min(range(len(self.decoders)), key=lambda k: (self.load(k), k != i))
+            if j == i:
+                self._to_decode(j, s)
+            else:
+                hop = self.device.hop_s(r.arrival.input_len * self.device.kv_bytes_per_token)
+                self.clock.at(self.clock.now + hop, lambda j=j, s=s: self._to_other(j, s))
+
+    def _to_decode(self, i: int, s: _Seq) -> None:
+        if s.first_token(self.clock.now):
+            self.finish(s)
+        else:
+            self.decoders[i].waiting.append(s)
+
+    def _to_other(self, j: int, s: _Seq) -> None:
+        if s.first_token(self.clock.now):
+            self.finish(s)
+        else:
+            self.add_seq(j, s)
+
+    # -- interleave ---------------------------------------------------------------------------
+
+    def _prefill_pass(self, i: int) -> None:
+        q = self.prefills[i]
+        rows = q.plan(self.clock.now)
+        cost = q.pass_s(rows)
+        self.busy[i].prefill_s += cost
+        self.last_was_prefill[i] = True
+        self.clock.at(self.clock.now + cost, lambda: self._after_prefill_pass(i, rows))
+
+    def _after_prefill_pass(self, i: int, rows: list[_Req]) -> None:
+        q = self.prefills[i]
+        for r in q.advance(rows):
+            self._prefilled(i, r)
+        if not len(q):
+            q.idle = True
+        self.next_pass(i)
+
+    # -- mixed (this app) ---------------------------------------------------------------------
+
+    def _next_mixed(self, i: int) -> None:
+        """While the decode loop has sequences, each of its steps carries the queue's next
+        chunks; with none, the queue runs passes of its own (``PrefillQueue._run``)."""
+        dec, q = self.decoders[i], self.prefills[i]
+        if self.planned[i] is not None or dec.waiting or dec.running:
+            self._mixed_step(i)
+        elif len(q) and self.clock.now >= self.ready_at[i]:
+            self._own_pass(i)
+        else:
+            self.active[i] = False  # a prompt still in its wake-up wait restarts it
+            if not len(q):
+                q.idle = True  # the queue's task sleeps until a prompt comes
+
+    def _plan_step(self, i: int) -> _Chunks:
+        """The chunks of replica ``i``'s next decode step (``DecodeLoop._take_chunks``: the
+        rows it may run, before admission), none of a pass under way."""
+        dec = self.decoders[i]
+        self.planned_joins[i] = len(dec.waiting)
+        rows = min(self.limits.max_batch_size, len(dec.running) + len(dec.waiting))
+        return self.prefills[i].plan_chunks(self.clock.now, rows, self.own_pass[i] or ())
+
+    def _mixed_step(self, i: int) -> None:
+        dec = self.decoders[i]
+        plan, self.planned[i] = self.planned[i], None
+        if plan is None:
+            plan = self._plan_step(i)
+        # sequences that came after the plan was made wait for the next step (the loop
+        # applies what was handed over between steps, then plans)
+        dec.admit(self.planned_joins[i])
+        if plan.rows:
+            cost = self._mixed_pass_s(dec, [(n, r.done) for r, n in zip(plan.rows, plan.sizes,
+                                                                       strict=True)])
+            self.busy[i].prefill_s += cost
+        else:
+            cost = dec.step_cost()
+            self.busy[i].decode_s += cost
+        self.clock.at(self.clock.now + cost, lambda: self._after_mixed_step(i, plan))
+
+    def _after_mixed_step(self, i: int, plan: _Chunks) -> None:
+        dec = self.decoders[i]
+        if dec.running:
+            dec.end_step()
+        if plan.rows:
+            for r in self.prefills[i].advance(plan.rows, plan.sizes):
+                self._prefilled(i, r)
+        self.next_pass(i)
+
+    def _own_pass(self, i: int) -> None:
+        q = self.prefills[i]
+        rows = q.plan(self.clock.now)
+        cost = q.pass_s(rows)
+        self.busy[i].prefill_s += cost
+        self.own_pass[i] = rows
+        self.clock.at(self.clock.now + cost, lambda: self._after_own_pass(i, rows))
+
+    def _after_own_pass(self, i: int, rows: list[_Req]) -> None:
+        dec, q = self.decoders[i], self.prefills[i]
+        self.own_pass[i] = None
+        loop_busy = self.planned[i] is not None or bool(dec.waiting or dec.running)
+        for r in q.advance(rows):
+            self._prefilled(i, r)
+        if not loop_busy and len(q):
+            # the queue's task plans its next pass at once, before the streams of the
+            # prompts this pass finished reach the decode loop; the loop's first step is
+            # planned during that pass and runs after it
+            self._own_pass(i)
+            if dec.waiting:
+                self.planned[i] = self._plan_step(i)
+            return
+        self.next_pass(i)
+
+    def _mixed_pass_s(self, dec: _Decoder, chunks: Sequence[tuple[int, int]]) -> float:
+        """One pass of prompt chunks (``(tokens, past)`` each, laid end to end, each
+        attending to its own past) plus a step of ``dec``'s running sequences: the linear
+        layers run once over every token, so compute and memory terms add up, the weights
+        read once; a step that streams tokens pays the serving stack's per-step cost."""
+        dev = self.device
+        tokens = sum(n for n, _ in chunks)
+        pairs = sum(n * (n + 2 * past) for n, past in chunks)
+        p_compute = dev.prefill.compute(tokens, pairs)
+        p_memory = dev.prefill.memory(tokens, 0.0) - dev.prefill.memory.c0
+        if dec.running:
+            b, ctx_tokens = len(dec.running), dec.attended()
+            d_compute = dev.decode.compute(b, ctx_tokens)
+            d_memory = dev.decode.memory(b, ctx_tokens)
+            stack = dev.decode_stack(b, 0.0)
+        else:
+            d_compute, d_memory, stack = 0.0, dev.prefill.memory.c0, 0.0
+        return dev.decode.overhead_s + max(p_compute + d_compute, p_memory + d_memory) + stack
+
+    # -- chunked (vLLM/Sarathi-style) ---------------------------------------------------------
+
+    def _chunked_pass(self, i: int) -> None:
+        # one mixed pass: every running sequence decodes, the oldest prompt advances by up
+        # to chunk_tokens (prompts progress one after another)
+        dec = self.decoders[i]
+        dec.admit()
+        r = self.mixed_queues[i][0]
+        chunk = min(self.chunk_tokens, r.remaining)
+        cost = self._mixed_pass_s(dec, [(chunk, r.done)])
+        self.busy[i].prefill_s += cost
+        self.clock.at(self.clock.now + cost, lambda: self._after_chunked_pass(i, r, chunk))
+
+    def _after_chunked_pass(self, i: int, r: _Req, chunk: int) -> None:
+        dec = self.decoders[i]
+        if dec.running:
+            dec.end_step()
+        r.done += chunk
+        if not r.remaining:
+            self.mixed_queues[i].popleft()
+            self._prefilled(i, r)
+        self.next_pass(i)
+
+
 class _SplitRun:
-    """The split app's replicas on a clock: prefill passes, the KV hop, decode batches."""
+    """The split app's replicas on a clock: prefill passes, the KV hop, decode batches, and
+    the ingress's choice of where a prompt is prefilled (``SplitPath._prefills_locally``)."""
 
     def __init__(self, sysm: SplitSystem, clock: _Clock, finish: Callable[[_Seq], None]) -> None:
         self.sysm, self.limits, self.clock, self.finish = sysm, sysm.limits, clock, finish
         self.prefill_busy = [_Busy() for _ in range(sysm.num_prefill)]
-        self.decode_busy = [_Busy() for _ in range(sysm.num_decode)]
         self.prefills = [_PrefillQueue(sysm.prefill, sysm.limits)
                          for _ in range(sysm.num_prefill)]
-        self.decoders = [_Decoder(sysm.decode, sysm.limits, clock, finish)
-                         for _ in range(sysm.num_decode)]
-        self.decoding = [False] * sysm.num_decode
+        # DecodeServer: a decode loop and a prefill queue for the prompts prefilled locally
+        self.decode = _Engines(sysm.decode, sysm.num_decode, sysm.limits, sysm.decode_policy,
+                               clock, finish)
+        self.decode.on_prefilled = self._stream_starts
         self.homes = random.Random(0)  # each prompt's rendezvous-hash home replica
+        self.busy_tokens = sysm.limits.busy_prefill_tokens
+        # SplitPath's counts: prompt tokens whose streams have not started, sent to the
+        # prefill phase, of those the short ones, and sent to a decode replica
+        self.prefill_backlog = self.short_backlog = self.local_backlog = 0
 
     def schedule_arrivals(self, arrivals: Iterable[Arrival]) -> None:
         overhead = self.sysm.prefill.request_overhead_s
@@ -555,7 +942,7 @@ class _SplitRun:
 
     def busy_devices(self) -> list[tuple[DeviceProfile, _Busy]]:
         return ([(self.sysm.prefill, b) for b in self.prefill_busy]
-                + [(self.sysm.decode, b) for b in self.decode_busy])
+                + [(self.sysm.decode, b) for b in self.decode.busy])
 
     def _route_prefill(self) -> int:
         qs = self.prefills
@@ -567,7 +954,49 @@ class _SplitRun:
             return least
         return home
 
+    def _is_short(self, r: _Req) -> bool:
+        return r.arrival.input_len < self.limits.local_prefill_when_busy
+
+    def prefills_locally(self, r: _Req) -> bool:
+        """``SplitPath._prefills_locally``: under ``local_prefill_threshold``; or short while
+        the prefill phase is backed up and the decode side has fewer tokens ahead of it
+        (its local prompts not yet streaming) than the prefill phase (its short prompts and
+        at most two passes of longer ones)."""
+        if r.arrival.input_len < self.limits.local_prefill_threshold:
+            return True
+        if not self._is_short(r) or self.prefill_backlog < self.busy_tokens:
+            return False
+        longer = self.prefill_backlog - self.short_backlog
+        ahead_there = self.short_backlog + min(longer, 2 * self.busy_tokens)
+        return self.local_backlog < ahead_there
+
+    def _count(self, r: _Req, sign: int) -> None:
+        """``Backlog._count``."""
+        n = sign * r.backlog
+        if r.local:
+            self.local_backlog += n
+        else:
+            self.prefill_backlog += n
+            if r.short:
+                self.short_backlog += n
+
+    def _stream_starts(self, r: _Req) -> None:
+        """``r``'s stream starts (``StreamStart``: local, its package made; otherwise on the
+        decode replica, the hop done): its tokens leave the backlog counts."""
+        if r.backlog:
+            self._count(r, -1)
+            r.backlog = 0
+
     def request_arrive(self, r: _Req) -> None:
+        r.local = self.prefills_locally(r)
+        if r.arrival.n == 1:
+            # n > 1 is prefilled once for its answers (``SplitPath.shared_prefill``), whose
+            # streams read that package: neither is counted in a backlog
+            r.backlog, r.short = r.arrival.input_len, not r.local and self._is_short(r)
+            self._count(r, +1)
+        if r.local:  # DecodeServer.generate_local: on the least loaded decode replica
+            self.decode.add_prompt(self.decode.least_loaded(), r)
+            return
         i = self._route_prefill()
         q = self.prefills[i]
         q.add(r, self.clock.now)
@@ -596,175 +1025,34 @@ class _SplitRun:
         self.prefill_start(i)
 
     def decode_arrive(self, s: _Seq) -> None:
+        self._stream_starts(s.req)
         if s.first_token(self.clock.now):
             self.finish(s)
             return
-        j = min(range(len(self.decoders)), key=lambda k: self.decoders[k].load)
-        self.decoders[j].waiting.append(s)
-        if not self.decoding[j]:
-            self.decoding[j] = True
-            # after the other events of this instant: sequences that arrive together
-            # join the same first step
-            self.clock.at(self.clock.now, lambda: self.decode_step(j))
-
-    def decode_step(self, j: int) -> None:
-        if not self.decoders[j].start_step(self.decode_busy[j], lambda: self.decode_step(j)):
-            self.decoding[j] = False
+        self.decode.add_seq(self.decode.least_loaded(), s, defer=True)
 
 
-class _ColocatedRun:
-    """The colocated replicas on a clock: one device per replica alternates prefill passes
-    with decode steps (``interleave``) or mixes prompt chunks into every step
-    (``chunked``)."""
+class _ColocatedRun(_Engines):
+    """The colocated replicas on a clock: each prompt goes to the least loaded replica,
+    which prefills it and decodes its answer (``_Engines``)."""
 
     def __init__(self, sysm: ColocatedSystem, clock: _Clock,
                  finish: Callable[[_Seq], None]) -> None:
-        self.sysm, self.limits, self.device = sysm, sysm.limits, sysm.device
-        self.clock, self.finish = clock, finish
-        n = sysm.num_replicas
-        self.busy = [_Busy() for _ in range(n)]
-        self.prefills = [_PrefillQueue(sysm.device, sysm.limits) for _ in range(n)]
-        self.mixed_queues: list[deque[_Req]] = [deque() for _ in range(n)]  # chunked
-        self.decoders = [_Decoder(sysm.device, sysm.limits, clock, finish) for _ in range(n)]
-        self.active = [False] * n
-        self.ready_at = [0.0] * n  # interleave: the prefill loop's wake-up wait ends
-        self.last_was_prefill = [False] * n
+        super().__init__(sysm.device, sysm.num_replicas, sysm.limits, sysm.policy, clock,
+                         finish, sysm.chunk_tokens)
+        self.sysm = sysm
 
     def schedule_arrivals(self, arrivals: Iterable[Arrival]) -> None:
         overhead = self.device.request_overhead_s
         for uid, a in enumerate(arrivals):
-            r = _Req(a, a.at, uid)
+            r = _Req(a, a.at, uid, local=True)
             self.clock.at(a.at + overhead, lambda r=r: self.request_arrive(r))
 
     def busy_devices(self) -> list[tuple[DeviceProfile, _Busy]]:
         return [(self.device, b) for b in self.busy]
 
-    def _waiting_prompts(self, k: int) -> int:
-        return len(self.prefills[k]) + len(self.mixed_queues[k])
-
     def request_arrive(self, r: _Req) -> None:
-        n = len(self.decoders)
-        i = min(range(n), key=lambda k: self.decoders[k].load + self._waiting_prompts(k))
-        now = self.clock.now
-        if self.sysm.policy == "chunked":
-            r.done = r.arrival.cached_len
-            self.mixed_queues[i].append(r)
-            if not self.active[i]:
-                self.active[i] = True
-                self.clock.at(now + self.limits.batch_wait_s, lambda: self.next_pass(i))
-            return
-        q = self.prefills[i]
-        q.add(r, now)
-        if q.idle:
-            q.idle = False
-            self.ready_at[i] = now + self.limits.batch_wait_s
-            self.clock.at(self.ready_at[i], lambda: self._wake(i))
-
-    def _wake(self, i: int) -> None:
-        if not self.active[i]:
-            self.active[i] = True
-            self.next_pass(i)
-
-    def next_pass(self, i: int) -> None:
-        """What replica ``i`` runs next."""
-        if self.sysm.policy == "chunked":
-            if self.mixed_queues[i]:
-                self._mixed_pass(i)
-            elif not self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i)):
-                self.active[i] = False
-            return
-        # interleave: the engine thread runs what was submitted first; while both loops
-        # have work, a prefill pass and a decode step take turns
-        q = self.prefills[i]
-        prefill_ready = len(q) > 0 and self.clock.now >= self.ready_at[i]
-        if prefill_ready and not self.last_was_prefill[i]:
-            self._prefill_pass(i)
-        elif self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i)):
-            self.last_was_prefill[i] = False
-        elif prefill_ready:
-            self._prefill_pass(i)
-        else:
-            self.active[i] = False  # a prompt still in its wake-up wait restarts it
-
-    def _answers_out(self, i: int, r: _Req) -> None:
-        """A prompt's prefill ended on replica ``i``: its answer decodes there (``n = 1``) or
-        each answer on the least loaded replica, through the object store."""
-        for s in _answers(r):
-            j = i
-            if r.arrival.n > 1:
-                j = min(range(len(self.decoders)), key=lambda k: (self.decoders[k].load, k != i))
-            if j == i:
-                self._to_decode(j, s)
-            else:
-                hop = self.device.hop_s(r.arrival.input_len * self.device.kv_bytes_per_token)
-                self.clock.at(self.clock.now + hop, lambda j=j, s=s: self._to_other(j, s))
-
-    def _to_decode(self, i: int, s: _Seq) -> None:
-        if s.first_token(self.clock.now):
-            self.finish(s)
-        else:
-            self.decoders[i].waiting.append(s)
-
-    def _to_other(self, j: int, s: _Seq) -> None:
-        self._to_decode(j, s)
-        if not self.active[j]:
-            self.active[j] = True
-            self.next_pass(j)
-
-    # -- interleave ---------------------------------------------------------------------------
-
-    def _prefill_pass(self, i: int) -> None:
-        q = self.prefills[i]
-        rows = q.plan(self.clock.now)
-        cost = q.pass_s(rows)
-        self.busy[i].prefill_s += cost
-        self.last_was_prefill[i] = True
-        self.clock.at(self.clock.now + cost, lambda: self._after_prefill_pass(i, rows))
-
-    def _after_prefill_pass(self, i: int, rows: list[_Req]) -> None:
-        q = self.prefills[i]
-        for r in q.advance(rows):
-            self._answers_out(i, r)
-        if not len(q):
-            q.idle = True
-        self.next_pass(i)
-
-    # -- chunked ------------------------------------------------------------------------------
-
-    def _mixed_pass(self, i: int) -> None:
-        # one mixed pass: every running sequence decodes, the oldest prompt advances by up
-        # to chunk_tokens (prompts progress one after another)
-        dec = self.decoders[i]
-        dec.admit()
-        r = self.mixed_queues[i][0]
-        chunk = min(self.sysm.chunk_tokens, r.remaining)
-        cost = self._mixed_pass_s(dec, chunk, r.done)
-        self.busy[i].prefill_s += cost
-        self.clock.at(self.clock.now + cost, lambda: self._after_mixed_pass(i, r, chunk))
-
-    def _mixed_pass_s(self, dec: _Decoder, chunk: int, past: int) -> float:
-        """A prompt chunk of ``chunk`` tokens after ``past`` positions plus a step of
-        ``dec``'s running sequences in one pass: compute and memory terms add up."""
-        dev = self.device
-        p_compute = dev.prefill.compute(chunk, chunk * (chunk + 2 * past))
-        p_memory = dev.prefill.memory(chunk, 0.0) - dev.prefill.memory.c0
-        if dec.running:
-            b, ctx_tokens = len(dec.running), dec.attended()
-            d_compute = dev.decode.compute(b, ctx_tokens)
-            d_memory = dev.decode.memory(b, ctx_tokens)
-        else:
-            d_compute, d_memory = 0.0, dev.prefill.memory.c0
-        return dev.decode.overhead_s + max(p_compute + d_compute, p_memory + d_memory)
-
-    def _after_mixed_pass(self, i: int, r: _Req, chunk: int) -> None:
-        dec = self.decoders[i]
-        if dec.running:
-            dec.end_step()
-        r.done += chunk
-        if not r.remaining:
-            self.mixed_queues[i].popleft()
-            self._answers_out(i, r)
-        self.next_pass(i)
+        self.add_prompt(self.least_loaded(), r)
 
 
 class Simulation:
@@ -805,6 +1093,7 @@ class SimRecord(RequestRecord):
     answers: int = 1
     answer_tokens: int = 0  # each answer's output tokens
     worst_tpot_s: float | None = None
+    local_prefill: bool = False  # prefilled where it decodes (colocated; split: no KV hop)
 
     @property
     def tpot_s(self) -> float | None:
@@ -832,7 +1121,8 @@ def _record(r: _Req) -> SimRecord:
         a.request_class, r.sent_at, prompt_tokens=a.input_len,
         output_tokens=a.output_len * a.n, ttft_s=max(firsts) - r.sent_at,  # type: ignore[type-var]
         e2e_s=max(ends) - r.sent_at, ok=True,  # type: ignore[type-var]
-        answers=a.n, answer_tokens=a.output_len, worst_tpot_s=max(known) if known else None)
+        answers=a.n, answer_tokens=a.output_len, worst_tpot_s=max(known) if known else None,
+        local_prefill=r.local)
 
 
 @dataclass(slots=True)

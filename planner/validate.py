@@ -28,12 +28,15 @@ METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms
 
 
 def local_system(kind: str, devices: dict[str, DeviceProfile],
-                 limits: EngineLimits | None = None) -> System:
+                 limits: EngineLimits | None = None, policy: str = "mixed") -> System:
+    """``policy``: the colocated replica's, and the split decode replicas' for the prompts
+    they prefill (``mixed``: ``engine.mixed_batch``, the default; ``interleave``: off)."""
     limits = limits or EngineLimits()
     if kind == "split":
-        return SplitSystem(devices["cpu-1t"], devices["cpu-1t"], 1, 1, limits)
+        return SplitSystem(devices["cpu-1t"], devices["cpu-1t"], 1, 1, limits,
+                           decode_policy=policy)
     if kind == "colocated":
-        return ColocatedSystem(devices["cpu-2t"], 1, limits)
+        return ColocatedSystem(devices["cpu-2t"], 1, limits, policy)
     raise ValueError(f"unknown system kind {kind!r}")
 
 
@@ -60,14 +63,15 @@ def compare_run(system: System, run: dict[str, Any], slos: dict[str, float]) -> 
 
 def validate(devices: dict[str, DeviceProfile], results: dict[str, str | Path],
              slos: dict[str, float] | None = None,
-             limits: EngineLimits | None = None) -> list[dict[str, Any]]:
+             limits: EngineLimits | None = None, policy: str = "mixed") -> list[dict[str, Any]]:
     """``results``: system kind (``split``/``colocated``) -> results.json path; ``limits``:
-    the engine's (default ``EngineLimits()``: this engine, paged KV)."""
+    the engine's (default ``EngineLimits()``: this engine, paged KV); ``policy``: as
+    ``local_system``'s."""
     out = []
     for kind, path in results.items():
         data = json.loads(Path(path).read_text())
         run_slos = slos if slos is not None else data["config"].get("slos_ms") or {}
-        system = local_system(kind, devices, limits)
+        system = local_system(kind, devices, limits, policy)
         for run in data["runs"]:
             out.append({"system": kind, "slos_ms": run_slos,
                         **compare_run(system, run, run_slos)})

@@ -4,6 +4,7 @@ service times and queueing, goodput counting, fitting, and the search's choice."
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -38,8 +39,10 @@ from planner.simulator import (
 )
 from planner.validate import compare_run
 
+# the split tests below time the prefill phase itself: no short prompt skips it while it is
+# backed up (``local_prefill_when_busy`` has tests of its own)
 NO_WAIT = EngineLimits(max_batch_size=16, token_budget=4096, prefill_max_rows=8,
-                       batch_wait_s=0.0)
+                       batch_wait_s=0.0, local_prefill_when_busy=0)
 
 
 def device(name="dev", *, prefill_per_token=0.001, prefill_base=0.01, step=0.02,
@@ -206,7 +209,7 @@ def test_queueing_grows_as_load_nears_capacity():
 def test_prefill_passes_share_rows_and_add_replicas_parallelize():
     dev = device(prefill_base=0.1, prefill_per_token=0.0)
     arrivals = [Arrival(0.0, 100, 2) for _ in range(4)]
-    whole = EngineLimits(batch_wait_s=0.0, prefill_chunk_tokens=4096)
+    whole = EngineLimits(local_prefill_when_busy=0, batch_wait_s=0.0, prefill_chunk_tokens=4096)
     one = simulate(SplitSystem(dev, dev, 1, 1, whole), arrivals).records
     # all four arrive together: one padded pass of 4 rows, everyone's first token at 0.1 s
     assert [r.ttft_s for r in one] == pytest.approx([0.1] * 4)
@@ -215,7 +218,7 @@ def test_prefill_passes_share_rows_and_add_replicas_parallelize():
     chunked = simulate(SplitSystem(dev, dev, 1, 1, NO_WAIT), arrivals).records
     assert sorted(r.ttft_s for r in chunked) == pytest.approx([0.1, 0.1, 0.2, 0.2])
     # one row per pass: the passes run in turn
-    lim = EngineLimits(prefill_max_rows=1, batch_wait_s=0.0,
+    lim = EngineLimits(local_prefill_when_busy=0, prefill_max_rows=1, batch_wait_s=0.0,
                        prefill_routing="least_loaded")
     serial = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
     assert sorted(r.ttft_s for r in serial) == pytest.approx([0.1, 0.2, 0.3, 0.4])
@@ -323,7 +326,8 @@ def test_search_picks_the_obviously_better_hardware():
 
 def test_max_goodput_rate_finds_capacity():
     dev = device(prefill_base=0.0, prefill_per_token=0.001)  # 0.1 s per prompt
-    lim = EngineLimits(token_budget=100, prefill_max_rows=1, batch_wait_s=0.0)
+    lim = EngineLimits(token_budget=100, prefill_max_rows=1, batch_wait_s=0.0,
+                       local_prefill_when_busy=0)
     w = Workload(1.0, LengthDist.fixed(100), LengthDist.fixed(2), 300, seed=4)
     rate, s = planner_search.max_goodput_rate(SplitSystem(dev, dev, 1, 1, lim), w,
                                               {"ttft": 500}, min_span_s=20.0)
@@ -556,7 +560,7 @@ def test_chunked_prefill_lets_a_short_prompt_pass_a_long_one(kind):
     arrivals = [Arrival(0.0, 2048, 2), Arrival(0.1, 64, 2)]
 
     def system(chunk):
-        lim = EngineLimits(batch_wait_s=0.0, prefill_chunk_tokens=chunk)
+        lim = EngineLimits(local_prefill_when_busy=0, batch_wait_s=0.0, prefill_chunk_tokens=chunk)
         if kind == "split":
             return SplitSystem(dev, dev, 1, 1, lim)
         return ColocatedSystem(dev, 1, lim)
@@ -580,14 +584,15 @@ def test_fairness_bound_keeps_a_long_prompt_from_starving():
     arrivals = [Arrival(0.0, 1024, 2), *shorts]
 
     def long_ttft(fairness_s):
-        lim = EngineLimits(batch_wait_s=0.0, prefill_fairness_s=fairness_s)
+        lim = EngineLimits(batch_wait_s=0.0, prefill_fairness_s=fairness_s,
+                           local_prefill_when_busy=0)
         return _ttft_of(simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records, 1024)
 
     # 4 chunks of 256, each leading every other pass (the others: 4 chats of 64) from 1 s on
     assert long_ttft(1.0) < 1.0 + 8 * 0.256 + 0.1
     assert long_ttft(1e9) > 10.0  # starved until the chats stop coming
     # the chats still get every other pass: the fair run serves every one of them
-    lim = EngineLimits(batch_wait_s=0.0, prefill_fairness_s=1.0)
+    lim = EngineLimits(local_prefill_when_busy=0, batch_wait_s=0.0, prefill_fairness_s=1.0)
     assert len(simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records) == 201
 
 
@@ -695,3 +700,307 @@ def test_cli_takes_prefix_hit_rate_n_and_prefill_chunk(capsys):
     assert n_tokens == pytest.approx(4 * plain_tokens, rel=0.1)
     whole_ttft, _ = figures("--prefill-chunk", "8192")
     assert whole_ttft < plain_ttft  # one pass instead of two: one pass base fewer
+
+
+# ---- this app's mixed batching; short prompts skipping a backed-up prefill phase ----------
+
+
+def _engine_prefiller(lim: EngineLimits):
+    """The engine's own planner (``app.prefill.Prefiller``) with ``lim``'s settings, on a
+    stub runner (planning touches only its config)."""
+    from types import SimpleNamespace
+
+    from app.config import EngineConfig
+    from app.prefill import Prefiller
+
+    cfg = EngineConfig(max_batch_size=lim.max_batch_size, prefill_token_budget=lim.token_budget,
+                       prefill_max_batch_size=lim.prefill_max_rows,
+                       prefill_chunk_tokens=lim.prefill_chunk_tokens,
+                       prefill_fairness_s=lim.prefill_fairness_s)
+    return Prefiller(SimpleNamespace(config=cfg), "stub")
+
+
+def _engine_job(tokens: int, done: int = 0, arrived: float = 0.0):
+    from types import SimpleNamespace
+
+    from app.prefill import PrefillJob
+
+    return PrefillJob(SimpleNamespace(num_tokens=tokens), arrived=arrived, done=done)
+
+
+def _engine_chunk_steps(lim, prompts, decode_rows, now=10.0, joins=False):
+    """The engine's mixed steps (``Prefiller.plan_chunks``) until every prompt is computed:
+    per step, (prompt index, tokens) of each chunk. ``prompts``: (tokens, done, arrived).
+    ``joins``: each finished prompt's answer joins the decode rows of the next steps."""
+    planner = _engine_prefiller(lim)
+    jobs = [_engine_job(n, d, t) for n, d, t in prompts]
+    steps = []
+    while any(j.remaining for j in jobs):
+        plan = planner.plan_chunks([j for j in jobs if j.remaining], decode_rows, now)
+        steps.append([(jobs.index(j), n) for j, n in zip(plan.rows, plan.sizes, strict=True)])
+        for j, n in zip(plan.rows, plan.sizes, strict=True):
+            j.done += n
+            if joins and not j.remaining:
+                decode_rows = min(lim.max_batch_size, decode_rows + 1)
+    return steps
+
+
+@pytest.mark.parametrize(("lim", "prompts", "decode_rows"), [
+    # several chats in one step, up to the pass budget (256) with the 4 decode rows
+    (EngineLimits(), [(40, 0, 9.0), (60, 0, 9.0), (80, 0, 9.0), (100, 0, 9.0), (30, 0, 9.0),
+                      (50, 0, 9.0)], 4),
+    # a full decode batch: the chunks still get a quarter of the budget
+    (EngineLimits(prefill_chunk_tokens=16), [(40, 0, 9.0), (10, 0, 9.5)], 16),
+    (EngineLimits(), [(700, 0, 9.0), (90, 0, 9.0)], 300),
+    # a long prompt in chunks of prefill_chunk_tokens after its cached prefix; a waited
+    # document leads every other step (fairness) among later chats
+    (EngineLimits(), [(1024, 960, 9.0), (2000, 0, 1.0), *((64, 0, 9.5) for _ in range(6))], 2),
+    # at most prefill_max_rows prompts per step
+    (EngineLimits(prefill_max_rows=3), [(5, 0, 9.0) for _ in range(7)], 1),
+])
+def test_mixed_step_chunks_are_the_engines(lim, prompts, decode_rows):
+    """Step after step, the simulated replica puts the same prompts' chunks, of the same
+    sizes, into its decode steps as the engine's ``Prefiller.plan_chunks``."""
+    from planner.simulator import _PrefillQueue, _Req
+
+    q = _PrefillQueue(device(), lim)
+    reqs = [_Req(Arrival(t, n, 2, cached_len=d), t, k) for k, (n, d, t) in enumerate(prompts)]
+    for r in sorted(reqs, key=lambda r: r.sent_at):  # each joins when it arrives
+        q.add(r, r.sent_at)
+    steps = []
+    while len(q):
+        plan = q.plan_chunks(10.0, decode_rows)
+        steps.append([(reqs.index(r), n) for r, n in zip(plan.rows, plan.sizes, strict=True)])
+        q.advance(plan.rows, plan.sizes)
+    assert steps == _engine_chunk_steps(lim, prompts, decode_rows)
+
+
+def _stream_then_burst(lim, burst, *, streams=4, at=1.001, dev=None, policy="mixed"):
+    """``streams`` 16-token prompts at 0 that decode for long, then ``burst`` prompts
+    arriving together at ``at`` on one colocated replica."""
+    dev = dev or device(prefill_base=0.0, prefill_per_token=0.0, step=0.02)
+    arrivals = ([Arrival(0.0, 16, 400) for _ in range(streams)]
+                + [Arrival(at, n, 2) for n in burst])
+    return simulate(ColocatedSystem(dev, 1, lim, policy), arrivals).records
+
+
+def test_a_mixed_step_carries_several_short_prompts_up_to_the_budget_with_the_decode_rows():
+    """Six chats arrive while four streams decode: the next decode steps carry them in the
+    engine's plan (budget 256 with the decode rows, each prompt finished joining the rows),
+    and each step costs its chunks' prefill compute on top of the decode step; each chat's
+    first token comes with the step that computed its last chunk."""
+    dev = device(prefill_base=0.01, prefill_per_token=0.001, step=0.02)
+    lim = EngineLimits(batch_wait_s=0.0)
+    burst = [40, 60, 80, 100, 30, 50]
+    recs = _stream_then_burst(lim, burst, dev=dev)
+    # nothing decoding: the streams' prompts are one pass of their own (4 rows x 16)
+    first = 0.01 + 0.001 * 64
+    assert [r.ttft_s for r in recs[:4]] == pytest.approx([first] * 4)
+    steps = _engine_chunk_steps(lim, [(n, 0, 0.0) for n in burst], 4, joins=True)
+    assert len(steps[0]) >= 4 and sum(n for _, n in steps[0]) + 4 == lim.pass_tokens
+    # the burst waits for the plain step under way, then step k costs 0.02 + its chunks
+    t = first + 0.02 * math.ceil((1.001 - first) / 0.02)
+    expected = {}
+    for step in steps:
+        t += 0.02 + 0.01 + 0.001 * sum(n for _, n in step)
+        for k, _ in step:
+            expected[k] = t - 1.001  # the last chunk's step sets it
+    assert [r.ttft_s for r in recs[4:]] == pytest.approx([expected[k] for k in range(6)])
+    # with mixed_batch off the same chats are prefill passes between the steps
+    apart = _stream_then_burst(lim, burst, dev=dev, policy="interleave")
+    assert [r.ttft_s for r in apart[4:]] != pytest.approx([r.ttft_s for r in recs[4:]])
+
+
+def test_a_full_decode_batch_still_gives_the_chunks_a_quarter_of_the_budget():
+    """Sixteen streams fill the batch and a pass is 16 tokens: a step still computes 4
+    prompt tokens, so a 40-token prompt takes the engine's 10 steps (one for 4 tokens)."""
+    lim = EngineLimits(batch_wait_s=0.0, prefill_chunk_tokens=16, max_batch_size=16)
+    [short] = _stream_then_burst(lim, [4], streams=16)[16:]
+    [long_] = _stream_then_burst(lim, [40], streams=16)[16:]
+    steps = len(_engine_chunk_steps(lim, [(40, 0, 0.0)], 16))
+    assert steps == 10
+    assert long_.ttft_s - short.ttft_s == pytest.approx((steps - 1) * 0.02)
+
+
+def test_after_a_pass_of_its_own_the_queue_runs_the_next_before_the_decode_loop_wakes():
+    """Twelve chats at an idle replica: a pass of its own (nothing decodes). When it ends,
+    the queue's task plans its next pass at once (``PrefillQueue._run``), before the
+    streams of the chats it finished reach the decode loop; the loop's first step is
+    planned during that pass, from the chats not in it, and runs after it, with the streams
+    the loop held then."""
+    dev = DeviceProfile("d", PassCost(0.0, Linear(0.01, 0.001, 0.0)),  # prefill per token
+                        PassCost(0.0, Linear(0.02, 0.005, 0.0)), 1000, 1 << 20)  # per row
+    lim = EngineLimits(batch_wait_s=0.0)
+    recs = simulate(ColocatedSystem(dev, 1, lim), [Arrival(0.0, 64, 3) for _ in range(12)])
+    planner, jobs = _engine_prefiller(lim), [_engine_job(64) for _ in range(12)]
+    t, ends = 0.0, {}
+    for _ in range(2):
+        rows = planner.plan_pass(jobs, 0.0)
+        t += 0.01 + 0.001 * len(rows) * max(j.remaining for j in rows)
+        for j in rows:
+            j.done, ends[jobs.index(j)] = j.req.num_tokens, t
+    # the first pass's streams; the second's reach the loop after it planned its first
+    # step, and each step's finished chats join the next
+    streams, joining = 4, 4
+    while any(j.remaining for j in jobs):
+        plan = planner.plan_chunks(jobs, streams, 0.0)
+        t += 0.02 + 0.005 * streams + 0.01 + 0.001 * plan.tokens
+        for j, n in zip(plan.rows, plan.sizes, strict=True):
+            j.done += n
+            if not j.remaining:
+                ends[jobs.index(j)] = t
+                joining += 1
+        streams, joining = streams + joining, 0
+    assert [list(ends.values()).count(t) for t in sorted(set(ends.values()))] == [4, 4, 3, 1]
+    assert [r.ttft_s for r in recs.records] == pytest.approx([ends[k] for k in range(12)])
+
+
+def test_the_colocated_default_is_this_apps_mixed_batching():
+    import inspect
+
+    from app.config import EngineConfig
+    from planner.__main__ import _build_parser
+    from planner.validate import local_system
+
+    assert EngineConfig().mixed_batch
+    dev = device()
+    assert ColocatedSystem(dev).policy == "mixed" and SplitSystem(dev, dev).decode_policy == "mixed"
+    ap = _build_parser()
+    assert ap.parse_args(["simulate"]).policy == "mixed"
+    assert ap.parse_args(["simulate", "--policy", "interleave"]).policy == "interleave"
+    assert ap.parse_args(["simulate", "--policy", "chunked"]).policy == "chunked"
+    assert ap.parse_args(["search"]).colocated_policies.split(",")[0] == "mixed"
+    default = inspect.signature(planner_search.search).parameters["colocated_policies"].default
+    assert default[0] == "mixed"
+    assert local_system("colocated", {"cpu-2t": dev}).policy == "mixed"
+    assert ColocatedSystem(dev, 1, policy="interleave").describe() == "colocated 1xdev, interleave"
+    with pytest.raises(ValueError, match="policy"):
+        SplitSystem(dev, dev, decode_policy="chunked")
+
+
+def _split_path(lim: EngineLimits):
+    """The app's routing (``SplitPath``) with ``lim``'s settings, on stand-in handles."""
+    from deployments.split_path import SplitPath
+
+    return SplitPath(object(), object(), local_prefill_threshold=lim.local_prefill_threshold,
+                     request_timeout_s=60.0, max_retries=0, retry_backoff_s=0.0,
+                     local_prefill_when_busy=lim.local_prefill_when_busy,
+                     prefill_busy_tokens=lim.busy_prefill_tokens)
+
+
+def _route(path, tokens: int):
+    """``SplitPath.prefill_then_decode``'s choice for a prompt of ``tokens``, and its
+    ``Backlog``."""
+    from types import SimpleNamespace
+
+    from deployments.split_path import Backlog
+
+    preq = SimpleNamespace(num_tokens=tokens)
+    local = path._prefills_locally(preq)
+    return local, Backlog(path, tokens, local=local, short=not local and path._is_short(preq))
+
+
+def test_split_defaults_are_the_apps():
+    from deployments.args import AppArgs
+
+    args, lim = AppArgs.model_validate({}), EngineLimits()
+    assert lim.local_prefill_threshold == args.local_prefill_threshold
+    assert lim.local_prefill_when_busy == args.local_prefill_when_busy > 0
+    assert lim.busy_prefill_tokens == args.busy_prefill_tokens
+    other = AppArgs.model_validate({"engine": {"prefill_chunk_tokens": 2048,
+                                               "prefill_token_budget": 1024}})
+    assert EngineLimits(prefill_chunk_tokens=2048, token_budget=1024).busy_prefill_tokens \
+        == other.busy_prefill_tokens
+
+
+_FAR = dict(prefill_base=0.0, prefill_per_token=0.001, step=0.02, hop_latency=5.0)
+
+
+@pytest.mark.parametrize(("doc", "when_busy"), [(1000, 128), (1000, 100), (256, 128),
+                                               (1000, 0)])
+def test_a_burst_of_short_prompts_is_split_between_the_phases_as_split_path_splits_it(
+        doc, when_busy):
+    """A document queued at the prefill phase (256 tokens: exactly one pass, backed up),
+    then a burst of chats (and one prompt too long to count as short under 100) routed
+    before any stream starts: each goes where the app's own ``SplitPath`` sends it given
+    the same backlogs; the local ones have no KV hop (5 s here). At 0 every prompt hops."""
+    dev = device(**_FAR)
+    lim = EngineLimits(batch_wait_s=0.0, local_prefill_when_busy=when_busy)
+    burst = [64] * 9 + [120] + [64] * 2
+    arrivals = [Arrival(0.0, doc, 2), *(Arrival(0.001 * (k + 1), n, 2)
+                                         for k, n in enumerate(burst))]
+    recs = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
+    path = _split_path(lim)
+    expected = [_route(path, a.input_len)[0] for a in arrivals]
+    assert [r.local_prefill for r in recs] == expected
+    if when_busy:
+        assert True in expected and expected.count(False) > 1  # both sides get some
+    else:
+        assert not any(expected)
+    for r in recs:
+        assert (r.ttft_s < 5.0) is r.local_prefill
+
+
+def test_a_prompt_counts_in_the_backlog_until_its_stream_starts():
+    """The document's tokens count until its stream starts on the decode replica, after
+    the hop: a chat arriving during the hop still finds the prefill phase backed up and is
+    prefilled locally; one after the stream started hops (``SplitPath``, step by step)."""
+    dev = device(**{**_FAR, "hop_latency": 1.0})
+    lim = EngineLimits(batch_wait_s=0.0)
+    arrivals = [Arrival(0.0, 300, 2), Arrival(0.8, 64, 2), Arrival(1.5, 64, 2)]
+    recs = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
+    path = _split_path(lim)
+    doc_local, doc = _route(path, 300)  # prefill ends at 0.3 s, stream starts at 1.3 s
+    chat_local, chat = _route(path, 64)
+    chat.drop()  # its own pass on the decode replica ends at 0.864 s
+    doc.drop()
+    late_local, _ = _route(path, 64)
+    assert [r.local_prefill for r in recs] == [doc_local, chat_local, late_local] \
+        == [False, True, False]
+
+
+def test_local_prefill_threshold_and_shared_prefill_route_as_split_path_does():
+    """Under ``local_prefill_threshold`` a prompt is prefilled on the decode replica even
+    when the prefill phase is idle; a request of several answers holds no backlog
+    (``SplitPath.shared_prefill``), so the chat after it hops."""
+    dev = device(**_FAR)
+    lim = EngineLimits(batch_wait_s=0.0, local_prefill_threshold=50)
+    recs = simulate(SplitSystem(dev, dev, 1, 1, lim), [Arrival(0.0, 40, 2)]).records
+    assert recs[0].local_prefill and recs[0].ttft_s == pytest.approx(0.04)
+    arrivals = [Arrival(0.0, 1000, 2, n=2), Arrival(0.01, 64, 2)]
+    recs = simulate(SplitSystem(dev, dev, 1, 1, lim), arrivals).records
+    assert [r.local_prefill for r in recs] == [False, False]
+    one = simulate(SplitSystem(dev, dev, 1, 1, lim), [Arrival(0.0, 1000, 2), arrivals[1]])
+    assert [r.local_prefill for r in one.records] == [False, True]
+
+
+@pytest.mark.parametrize("policy", ["mixed", "interleave"])
+def test_a_decode_replica_prefills_its_local_prompts_as_a_colocated_replica_does(policy):
+    """Every prompt local (a threshold above every length): the split's decode replicas
+    serve exactly as colocated replicas of the same policy (``DecodeServer`` and
+    ``ColocatedServer`` share the queue and the decode loop)."""
+    dev = device(prefill_base=0.005, prefill_per_token=0.0005, step=0.02)
+    lim = EngineLimits(batch_wait_s=0.005, local_prefill_threshold=1 << 20)
+    w = Workload(4.0, LengthDist.parse("lognormal:200:0.8:8:2000"),
+                 LengthDist.parse("lognormal:40:0.6:2:200"), 120, seed=7)
+    split = simulate(SplitSystem(dev, dev, 1, 2, lim, decode_policy=policy), w.arrivals())
+    colo = simulate(ColocatedSystem(dev, 2, lim, policy), w.arrivals())
+    assert all(r.local_prefill for r in split.records)
+    assert [(r.ttft_s, r.e2e_s) for r in split.records] == \
+        [(r.ttft_s, r.e2e_s) for r in colo.records]
+
+
+def test_cli_takes_the_split_routing_and_policies():
+    from planner.__main__ import _build_parser, _limits
+
+    ap = _build_parser()
+    lim = _limits(ap.parse_args(["simulate"]))
+    assert (lim.local_prefill_threshold, lim.local_prefill_when_busy,
+            lim.prefill_busy_tokens) == (0, 128, None)
+    lim = _limits(ap.parse_args(["simulate", "--local-prefill-when-busy", "0",
+                                 "--local-prefill-threshold", "32",
+                                 "--prefill-busy-tokens", "512"]))
+    assert (lim.local_prefill_threshold, lim.local_prefill_when_busy,
+            lim.busy_prefill_tokens) == (32, 0, 512)
+    with pytest.raises(SystemExit):
+        planner_main(["simulate", "--system", "split", "--policy", "chunked"])
