@@ -439,8 +439,16 @@ def _run_title(args: argparse.Namespace, rate: float | None) -> str:
     return f"concurrency {args.concurrency}" if args.concurrency else "per-class streams"
 
 
+def sweep_seed(seed: int, run_index: int) -> int:
+    """The prompts' and arrivals' seed of run ``run_index`` of a rate sweep. Each run sends
+    prompts of its own: a server with a prefix cache would otherwise serve a later rate's
+    prompts from the cache the earlier runs filled (the first run keeps ``seed``)."""
+    return seed + run_index
+
+
 async def _run_rate(args: argparse.Namespace, rate: float | None, base_streams: list[Stream],
-                    model: str, make_spec: SpecMaker, slos: dict[str, float]
+                    model: str, make_spec: SpecMaker, slos: dict[str, float],
+                    run_index: int = 0,
                     ) -> tuple[RunResult, list[RequestRecord], dict[str, Any]]:
     """One run with the shared stream at ``rate``: its result, records by send time and
     summary (with the server-side breakdown when asked for)."""
@@ -448,7 +456,7 @@ async def _run_rate(args: argparse.Namespace, rate: float | None, base_streams: 
                for s in base_streams]
     plan = LoadPlan(args.base_url, args.endpoint, streams, args.duration,
                     args.drain_timeout, args.request_timeout, model, args.temperature,
-                    args.seed)
+                    sweep_seed(args.seed, run_index))
     res = await run_load(plan, make_spec, progress=not args.no_progress, warmup=args.warmup)
     records = sorted(res.records, key=lambda r: r.sent_at)
     summary = summarize_by_class(records, res.duration_s, slos)
@@ -517,9 +525,9 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     results = _results_doc(args, model, slos, classes, base_streams)
-    for rate in rates:
+    for k, rate in enumerate(rates):
         res, records, summary = await _run_rate(args, rate, base_streams, model, make_spec,
-                                                slos)
+                                                slos, run_index=k)
         results["runs"].append({"rate": rate, "concurrency": args.concurrency,
                                 "summary": summary,
                                 "requests": [r.as_dict() for r in records]})

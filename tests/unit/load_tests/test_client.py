@@ -170,3 +170,22 @@ def test_remote_hosts_are_refused_without_the_flag(capsys):
     assert "--allow-remote" in capsys.readouterr().err
     args = _parse_args(["--base-url", "http://10.0.0.5:8000", "--allow-remote", "--rate", "1"])
     assert args.allow_remote
+
+
+def test_each_run_of_a_rate_sweep_sends_prompts_of_its_own():
+    """A prefix-caching server must not see a later rate's prompts again: every run of a
+    sweep draws its prompts from its own seed, and the first run keeps the given seed."""
+    from dataclasses import replace
+
+    from load_tests.loadgen import _build_specs, sweep_seed
+
+    a = RequestClass("a", LengthDist.parse("uniform:4:64"), LengthDist.fixed(3))
+    plan = _plan([Stream("shared", [a], num_requests=20, rate=1.0)])
+
+    def drawn(seed: int) -> list[int]:
+        [specs] = _build_specs(replace(plan, seed=seed), _maker)
+        return [s.input_tokens for s in specs]
+
+    runs = [drawn(sweep_seed(5, k)) for k in range(3)]
+    assert runs[0] == drawn(5)
+    assert runs[0] != runs[1] and runs[1] != runs[2] and runs[0] != runs[2]
