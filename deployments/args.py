@@ -263,9 +263,11 @@ class AppArgs(BaseModel):
         "KV hop); a longer one goes to the prefill deployment. 0: every prompt hops.")
     local_prefill_when_busy: int = Field(
         DEFAULT_LOCAL_PREFILL_WHEN_BUSY, ge=0, description="A prompt shorter than this many "
-        "tokens is also prefilled on the decode replica while the prefill phase is backed "
-        "up (prefill_busy_tokens): there it would wait for at least one whole prefill pass; "
-        "on the decode replica it rides in the decode steps (engine.mixed_batch). 0: off.")
+        "tokens may also be prefilled on the decode replica while the prefill phase is "
+        "backed up (prefill_busy_tokens): it goes to the side with fewer tokens ahead of it "
+        "(decode: local prompts not yet streaming; prefill: the short prompts there and two "
+        "passes of longer ones); on the decode replica it rides in the decode steps "
+        "(engine.mixed_batch). 0: off.")
     prefill_busy_tokens: int | None = Field(
         None, ge=1, description="The prefill phase counts as backed up while the prompt "
         "tokens an ingress replica has sent it, whose streams have not started, are at least "

@@ -106,6 +106,21 @@ def run(path: SplitPath, preq: PrefillRequest, trace: RequestTrace | None = None
     return asyncio.run(collect())
 
 
+def gated_stream(gate: asyncio.Event,
+                 gated: Callable[[PrefillRequest], bool] = lambda preq: True,
+                 ) -> Callable[[PrefillRequest], AsyncIterator[Any]]:
+    """A stream maker whose streams (those ``gated`` picks) start once ``gate`` is set: a
+    prefill or decode that has not started yet."""
+    def make(preq: PrefillRequest) -> AsyncIterator[Any]:
+        async def gen():
+            if gated(preq):
+                await gate.wait()
+            async for item in token_stream(preq):
+                yield item
+        return gen()
+    return make
+
+
 def hop_handles(decode_stream: Callable[[PrefillRequest], AsyncIterator[Any]]
                 ) -> tuple[FakeHandle, FakeHandle]:
     """A prefill handle whose refs are the requests themselves, and a decode handle that
@@ -523,15 +538,8 @@ def test_a_short_prompt_skips_a_backed_up_prefill_phase_and_the_backlog_drains()
     the decode replica (its trace says why) and a long one still hops; once the long
     prompt's stream starts, the backlog is empty and short prompts hop again."""
     held = asyncio.Event()
-
-    def remote_stream(preq: PrefillRequest) -> AsyncIterator[Any]:
-        async def gen():
-            if preq.num_tokens > 100:
-                await held.wait()  # this document's prefill is still queued
-            async for item in token_stream(preq):
-                yield item
-        return gen()
-
+    # the document's prefill stays queued until ``held`` is set
+    remote_stream = gated_stream(held, lambda preq: preq.num_tokens > 100)
     prefill, decode = hop_handles(remote_stream)
     decode.methods["generate_local"] = lambda preq: FakeCall(stream=token_stream(preq))
     path = split_path(prefill, decode, local_prefill_when_busy=64, prefill_busy_tokens=256)
@@ -578,15 +586,7 @@ def test_the_backlog_is_given_back_when_a_queued_prefill_fails_or_is_cancelled()
         run(path, request())
     assert path.prefill_backlog_tokens == 0
 
-    stuck = asyncio.Event()
-
-    def never_starts(preq):
-        async def gen():
-            await stuck.wait()
-            yield start()
-        return gen()
-
-    prefill, decode = hop_handles(never_starts)
+    prefill, decode = hop_handles(gated_stream(asyncio.Event()))  # never starts
     path = split_path(prefill, decode, local_prefill_when_busy=64, prefill_busy_tokens=1)
 
     async def cancelled():
@@ -611,14 +611,7 @@ def test_a_burst_of_short_prompts_is_shared_between_the_phases_by_tokens_ahead()
     yet streaming, against the short prompts at the prefill phase plus two passes of the
     document (the one under way, and the chunk that fills the chat's own pass)."""
     release = asyncio.Event()
-
-    def held(preq: PrefillRequest) -> AsyncIterator[Any]:
-        async def gen():
-            await release.wait()  # no stream starts until the burst has been routed
-            async for item in token_stream(preq):
-                yield item
-        return gen()
-
+    held = gated_stream(release)  # no stream starts until the burst has been routed
     prefill, decode = hop_handles(held)
     decode.methods["generate_local"] = lambda preq: FakeCall(stream=held(preq))
     path = split_path(prefill, decode, local_prefill_when_busy=128, prefill_busy_tokens=256)
