@@ -82,10 +82,13 @@ class EngineConfig:
     prefix_cache_mb: int = 512
     cache_dir: str | None = None
     trust_remote_code: bool = False
-    # float32 on the CPU: a second copy of each linear weight in oneDNN's layout for products
-    # of 2+ rows (app.packed_linear; faster batched decode and prefill, twice the linear
-    # weights' memory); False keeps the model's own layers only
+    # float32 on the CPU: a second copy of each linear weight in a layout made for its kernel
+    # (app.packed_linear; faster decode and prefill, twice the linear weights' memory); False
+    # keeps the model's own layers only
     pack_weights: bool = True
+    # which copy: "panels" (the engine's own AVX2 kernel, app.panel_kernel, built on first
+    # use), "onednn" (oneDNN's blocked layout for 2+ rows), "auto" (panels where it builds)
+    linear_layout: str = "auto"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -113,6 +116,10 @@ class EngineConfig:
                      "prefill_max_batch_size", "prefill_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.linear_layout not in ("auto", "panels", "onednn"):
+            raise ValueError(
+                f"linear_layout must be 'auto', 'panels' or 'onednn', got {self.linear_layout!r}"
+            )
         if self.prefill_fairness_s < 0 or self.prefix_cache_mb < 0:
             raise ValueError("prefill_fairness_s and prefix_cache_mb must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from app.config import DEFAULT_MODEL, EngineConfig, dtype_name
 from app.errors import ModelLoadError
-from app.packed_linear import pack_linears, packing_unavailable
+from app.packed_linear import pack_linears, packing_unavailable, resolve_layout
 
 logger = logging.getLogger(__name__)
 
@@ -301,9 +301,12 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     check_placement(model, config)
     model = model.eval()
     if config.pack_weights:
-        reason = packing_unavailable(model)
+        cache = config.resolved_cache_dir
+        reason = packing_unavailable(model, config.linear_layout, cache)
         if reason is None:
-            logger.info("packed %d linear layers into oneDNN's layout", pack_linears(model))
+            layout = resolve_layout(config.linear_layout, cache)
+            count = pack_linears(model, layout=layout, cache_dir=cache)
+            logger.info("packed %d linear layers (layout %s)", count, layout)
         else:
             logger.info("linear weights left unpacked: %s", reason)
     return model

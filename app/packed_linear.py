@@ -1,42 +1,71 @@
-"""Linear layers with their weights reordered once into oneDNN's blocked layout (CPU, float32).
+"""Linear layers with their weights copied once into a layout made for the kernel that
+multiplies them (CPU, float32).
 
-A decode step is a few hundred small matrix products (7 per layer plus the LM head) over
-a handful of rows. MKL's sgemm, which ``F.linear`` calls on the CPU, handles a few rows
-poorly; oneDNN's linear over a weight reordered ahead of time into its own blocked layout
-(what Inductor's weight freezing does on the CPU) does better from 2 rows up: measured on
-SmolLM2-135M, one thread, a batch-8 decode step takes 13-22% less time and a 1,024-row
-product 23% less. At one row MKL's GEMV is the faster (oneDNN's took 20-35% longer per
-step), so :class:`PackedLinear` keeps both: the model's own weight for one-row products
-(a lone stream decodes bit for bit as the plain model does) and the reordered copy for the
-rest. The cost is a second copy of every linear weight; ``EngineConfig.pack_weights =
-False`` turns it off. ``load_tests/decode_bench.py`` reports the step both ways.
+A decode step is a few hundred small matrix products (7 per layer plus the LM head) over a
+handful of rows, and the weights come from memory every step. Two layouts:
 
-The reordered kernel's sums run in a different order, so logits of batched rows differ from
-the plain ones in the last bits (about 1e-3 on SmolLM2's logits); the greedy tokens of the
-test prompts are the same (``tests/unit/app/test_packed_linear.py``).
+- ``panels`` (the default where it builds: x86-64 with AVX2 and FMA and a C compiler): the
+  engine's own kernel, ``app/csrc/panel_gemm.c`` via ``app.panel_kernel``, over the weight
+  copied into strips of 16 output columns. It reads the weights once per product whatever
+  the rows. On SmolLM2-135M, one thread, the 30 layers' linears took 39 ms at 1 row and
+  46-50 ms at 8 rows against MKL's 52-55 and 98 ms and oneDNN's 61-71 and 86-94 ms; at 256
+  rows (a prefill chunk) 789 ms against oneDNN's 876 (``load_tests/decode_bench.py`` reports
+  the step). Every row is computed alone, one running sum per output, so a row's result is
+  bit for bit the same in any batch.
+- ``onednn``: oneDNN's linear over the weight reordered into its blocked layout (what
+  Inductor's weight freezing does on the CPU), for products of 2+ rows; one-row products keep
+  MKL's GEMV over the plain weight (bit for bit the plain model's).
+
+Either way the copy doubles the linear weights' memory (the model's own ``weight`` stays, for
+state dicts, fingerprints and tied embeddings); ``EngineConfig.pack_weights = False`` turns it
+off. Sums run in a different order than MKL's, so logits differ from the plain model's in the
+last bits (about 1e-3 on SmolLM2's); the greedy tokens of the test prompts are the same
+(``tests/unit/app/test_packed_linear.py``). A copy is made once at load: a weight changed
+afterwards is not seen.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from app.panel_kernel import kernel_unavailable, load_kernel
+
+LAYOUTS = ("auto", "panels", "onednn")
 
 # Rows the blocked layout is tuned for. 8 served 1 to 256 rows as well as or better than
 # 1, 32 or 256 did on this project's CPU (a 2-core AMD EPYC, AVX2).
 BATCH_HINT = 8
 
 
-def packing_unavailable(model: nn.Module) -> str | None:
-    """Why ``model``'s linears cannot be packed, or None when they can."""
-    if not torch.backends.mkldnn.is_available():
+def packing_unavailable(model: nn.Module, layout: str = "auto",
+                        cache_dir: Path | None = None) -> str | None:
+    """Why ``model``'s linears cannot be packed in ``layout``, or None when they can
+    (``auto``: when either layout can)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "onednn" and not torch.backends.mkldnn.is_available():
         return "torch was built without oneDNN"
     params = list(model.parameters())
     if any(p.device.type != "cpu" for p in params):
         return "the model is not on the CPU"
     if any(p.dtype != torch.float32 for p in params if p.is_floating_point()):
         return "the model is not float32"
+    if layout == "panels":
+        return kernel_unavailable(cache_dir)
+    if layout == "auto" and not torch.backends.mkldnn.is_available():
+        return kernel_unavailable(cache_dir)
     return None
+
+
+def resolve_layout(layout: str, cache_dir: Path | None = None) -> str:
+    """``auto`` -> ``panels`` where the kernel builds, else ``onednn``."""
+    if layout != "auto":
+        return layout
+    return "panels" if kernel_unavailable(cache_dir) is None else "onednn"
 
 
 class PackedLinear(nn.Module):
@@ -69,18 +98,67 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, layout=onednn")
 
 
-def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; the count.
+class PanelLinear(nn.Module):
+    """``nn.Linear`` (inference only) over a copy of its weight in panels, multiplied by the
+    engine's own kernel (``app.panel_kernel``) on ``torch.get_num_threads()`` threads.
+
+    ``weight`` and ``bias`` are the original parameters; the panels are a non-persistent
+    buffer. Under autograd (grad enabled and a tensor that wants one) it falls back to
+    ``F.linear``.
+    """
+
+    def __init__(self, linear: nn.Linear, cache_dir: Path | None = None) -> None:
+        super().__init__()
+        self._lib = load_kernel(cache_dir)
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        w = linear.weight.detach().contiguous()
+        panels = torch.empty(self._lib.panel_floats(self.out_features, self.in_features),
+                             dtype=torch.float32)
+        self._lib.panel_pack(w.data_ptr(), w.stride(0), self.out_features, self.in_features,
+                             panels.data_ptr())
+        self.register_buffer("panels", panels, persistent=False)
+        self._bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        k, n = self.in_features, self.out_features
+        rows = x.reshape(-1, k)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        out = torch.empty((m, n), dtype=torch.float32)
+        if m:
+            self._lib.panel_linear(rows.data_ptr(), m, k, self.panels.data_ptr(), n,
+                                   None if self._bias is None else self._bias.data_ptr(),
+                                   out.data_ptr(), torch.get_num_threads())
+        return out.view(*x.shape[:-1], n)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, layout=panels")
+
+
+def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, layout: str = "auto",
+                 cache_dir: Path | None = None) -> int:
+    """Replace every ``nn.Linear`` in ``model`` by a :class:`PanelLinear` (``panels``) or a
+    :class:`PackedLinear` (``onednn``; ``auto``: panels where the kernel builds); the count.
 
     Raises ``ValueError`` when packing is not possible (``packing_unavailable``).
     """
-    reason = packing_unavailable(model)
+    reason = packing_unavailable(model, layout, cache_dir)
     if reason is not None:
         raise ValueError(f"cannot pack linear weights: {reason}")
+    layout = resolve_layout(layout, cache_dir)
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is nn.Linear]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module, batch_hint))
+        packed = (PanelLinear(module, cache_dir) if layout == "panels"
+                  else PackedLinear(module, batch_hint))
+        setattr(parent, child, packed)
     return len(targets)

@@ -1,7 +1,8 @@
 """The decode step against the machine's floor, on the decode replica's thread count.
 
-Prints, for each variant asked for (a dtype, ``+packed`` for linear weights in oneDNN's
-layout, ``app.packed_linear``; side by side, interleaved in rounds so that a busy spell of a
+Prints, for each variant asked for (a dtype; ``+packed`` for linear weights copied into a
+kernel's layout, ``app.packed_linear``: the engine's own panel kernel where it builds, or
+oneDNN's with ``+packed+onednn``; side by side, interleaved in rounds so that a busy spell of a
 shared machine hits every figure alike):
 
 * the floor: one GEMV (``[1, K] @ [K, N]``) over as many bytes as the model's weights, the
@@ -13,7 +14,7 @@ shared machine hits every figure alike):
   the median step;
 * KV memory: tokens the running sequences hold over the tokens their blocks in use hold.
 
-    python -m load_tests.decode_bench [--variants float32+packed,float32,bfloat16]
+    python -m load_tests.decode_bench [--variants float32+packed,float32+packed+onednn,float32]
         [--threads 1] [--rounds 5]
 """
 
@@ -124,12 +125,14 @@ class Variant:
 
     def __init__(self, name: str, threads: int, prefill: bool = True) -> None:
         dtype, *flags = name.split("+")
-        unknown = set(flags) - {"packed"}
+        unknown = set(flags) - {"packed", "onednn"}
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
         self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype,
                                             num_threads=threads,
-                                            pack_weights="packed" in flags))
+                                            pack_weights="packed" in flags,
+                                            linear_layout="onednn" if "onednn" in flags
+                                            else "auto"))
         self.weight_bytes = step_weight_bytes(self.core.model)
         self.floor = Floor(self.weight_bytes, self.core.runner.dtype)
         self.b1 = Batch(self.core, [CONTEXT], seed=1)

@@ -22,7 +22,7 @@ from app.model_loader import (
     load_tokenizer,
     resolve_model,
 )
-from app.packed_linear import PackedLinear
+from app.packed_linear import PackedLinear, PanelLinear, resolve_layout
 from tests.conftest import make_tiny_model
 
 # ---- resolve_model -------------------------------------------------------------------------
@@ -107,13 +107,15 @@ def test_load_local_hf_dir_matches_original(tmp_path):
     assert torch.allclose(got, expected, atol=1e-6, rtol=0)
     assert fingerprint(loaded).as_str() == fingerprint(model).as_str()
 
-    # by default (float32, CPU) the linears carry oneDNN-ordered copies: same model, logits
-    # equal to the last bits
-    packed = load_model(EngineConfig(model=str(tmp_path / "tiny")))
-    assert isinstance(packed.lm_head, PackedLinear)
-    with torch.no_grad():
-        torch.testing.assert_close(packed(ids).logits, expected, atol=1e-4, rtol=1e-4)
-    assert fingerprint(packed).as_str() == fingerprint(model).as_str()
+    # by default (float32, CPU) the linears carry copies in a kernel's layout (the engine's
+    # panels where the kernel builds, else oneDNN's): same model, logits equal to the last bits
+    for layout, kind in (("auto", PanelLinear if resolve_layout("auto") == "panels"
+                          else PackedLinear), ("onednn", PackedLinear)):
+        packed = load_model(EngineConfig(model=str(tmp_path / "tiny"), linear_layout=layout))
+        assert isinstance(packed.lm_head, kind), layout
+        with torch.no_grad():
+            torch.testing.assert_close(packed(ids).logits, expected, atol=1e-4, rtol=1e-4)
+        assert fingerprint(packed).as_str() == fingerprint(model).as_str()
 
     bf16 = load_model(EngineConfig(model=str(tmp_path / "tiny"), dtype="bfloat16"))
     assert next(bf16.parameters()).dtype is torch.bfloat16

@@ -1,5 +1,5 @@
-"""Linear weights reordered into oneDNN's layout: same model, same tokens, one-row products
-exact."""
+"""Linear weights copied into a kernel's layout (oneDNN's, or the engine's own panels): same
+model, same tokens; oneDNN's one-row products exact."""
 
 from __future__ import annotations
 
@@ -13,27 +13,33 @@ from app.config import EngineConfig
 from app.engine_core import EngineCore
 from app.messages import PrefillRequest
 from app.model_loader import fingerprint
-from app.packed_linear import PackedLinear, pack_linears, packing_unavailable
+from app.packed_linear import PackedLinear, PanelLinear, pack_linears, packing_unavailable
 from app.sampling import SamplingParams
 from tests.conftest import hf_greedy, make_tiny_model
 
-pytestmark = pytest.mark.skipif(packing_unavailable(make_tiny_model()) is not None,
+pytestmark = pytest.mark.skipif(packing_unavailable(make_tiny_model(), "onednn") is not None,
                                 reason="torch built without oneDNN")
+LAYOUTS = ["onednn", pytest.param("panels", marks=pytest.mark.skipif(
+    packing_unavailable(make_tiny_model(), "panels") is not None,
+    reason="the panel kernel needs x86-64 with AVX2/FMA and a C compiler"))]
+KIND = {"onednn": PackedLinear, "panels": PanelLinear}
 
 PROMPTS = [[5, 9, 13, 200, 7], [300, 41, 8], list(range(100, 140)), [77] * 12]
 
 
 def _linears(model: nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear | PackedLinear)]
+    return [n for n, m in model.named_modules()
+            if isinstance(m, nn.Linear | PackedLinear | PanelLinear)]
 
 
-def test_pack_swaps_every_linear_and_keeps_the_model():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pack_swaps_every_linear_and_keeps_the_model(layout):
     model = make_tiny_model(seed=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     print_before = fingerprint(model)
     names = _linears(model)
-    assert pack_linears(model) == len(names) == 2 * 7 + 1  # 7 per layer + the LM head
-    assert all(isinstance(model.get_submodule(n), PackedLinear) for n in names)
+    assert pack_linears(model, layout=layout) == len(names) == 2 * 7 + 1  # 7 per layer + head
+    assert all(isinstance(model.get_submodule(n), KIND[layout]) for n in names)
     after = model.state_dict()
     assert after.keys() == before.keys()  # the reordered copies are not state
     assert all(torch.equal(after[k], before[k]) for k in before)
@@ -62,13 +68,14 @@ def test_refuses_what_it_cannot_pack():
         pack_linears(model)
 
 
-async def test_packed_engine_gives_the_plain_models_greedy_tokens():
-    """Prefill (many rows) and batched decode run the reordered weights; the greedy tokens
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_packed_engine_gives_the_plain_models_greedy_tokens(layout):
+    """Prefill (many rows) and batched decode run the copied weights; the greedy tokens
     of a batch equal the plain model's generate(), each prompt alone."""
     plain = make_tiny_model(seed=5)
     expected = [hf_greedy(plain, p, 12) for p in PROMPTS]
     packed = make_tiny_model(seed=5)
-    pack_linears(packed)
+    pack_linears(packed, layout=layout)
     core = EngineCore(EngineConfig(max_batch_size=8), model=packed)
     reqs = [PrefillRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=12, temperature=0.0,
                                                              ignore_eos=True))

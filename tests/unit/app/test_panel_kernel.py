@@ -1,0 +1,131 @@
+"""The engine's own CPU matrix kernel (app/csrc/panel_gemm.c): the products F.linear gives,
+every row bit for bit the same in any batch and on any number of threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app import panel_kernel
+from app.config import EngineConfig
+from app.packed_linear import PanelLinear, pack_linears, resolve_layout
+
+# Only a CPU the kernel is not written for, or a machine without a C compiler, skips these:
+# on an AVX2 machine with a compiler a build that fails is a failure.
+pytestmark = pytest.mark.skipif(
+    panel_kernel.cpu_unsupported() is not None or panel_kernel._compiler() is None,
+    reason=f"{panel_kernel.cpu_unsupported() or 'no C compiler'}")
+
+
+def _linear(n: int, k: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(k, n, bias=bias)
+
+
+def test_the_kernel_builds_and_is_cached(tmp_path):
+    assert panel_kernel.kernel_unavailable() is None
+    lib = panel_kernel.load_kernel()
+    assert lib is panel_kernel.load_kernel()  # built once per process
+    assert lib.panel_nr() == 16
+    # the cached file is named by the source's hash: an edited kernel is rebuilt
+    assert panel_kernel.library_path(tmp_path).name.startswith("panel_gemm-")
+    assert panel_kernel.library_path(tmp_path).parent == tmp_path / "kernels"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("n", "k", "bias"), [(96, 64, True), (200, 77, False), (16, 576, True),
+                                              (7, 33, True), (1040, 48, False)])
+@torch.inference_mode()
+def test_products_equal_f_linear(n, k, bias, threads):
+    linear = _linear(n, k, bias)
+    panel = PanelLinear(linear)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 5, 6, 7, 13, 48, 49, 130):
+            x = torch.randn(rows, k)
+            torch.testing.assert_close(panel(x), F.linear(x, linear.weight, linear.bias),
+                                       rtol=1e-5, atol=1e-5)
+        x = torch.randn(3, 9, k)[:, ::2]  # batched and not contiguous
+        out = panel(x)
+        assert out.shape == (3, 5, n)
+        torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
+        assert panel(torch.randn(0, k)).shape == (0, n)
+    finally:
+        torch.set_num_threads(before)
+
+
+@torch.inference_mode()
+def test_a_row_is_bit_for_bit_the_same_in_any_batch_and_on_any_threads():
+    linear = _linear(1536, 576, True, seed=4)
+    panel = PanelLinear(linear)
+    batch = torch.randn(60, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [panel(batch[i:i + 1]) for i in range(batch.shape[0])]
+        together = panel(batch)
+        torch.set_num_threads(2)
+        together_2 = panel(batch)
+        alone_2 = panel(batch[11:12])
+    finally:
+        torch.set_num_threads(before)
+    for i, row in enumerate(alone):
+        assert torch.equal(together[i:i + 1], row), i
+        assert torch.equal(together_2[i:i + 1], row), i
+    assert torch.equal(alone_2, alone[11])
+
+
+def test_concurrent_callers_each_get_their_own_product():
+    """Threads multiplying at once (prefill and decode engines in one process), each on an
+    OpenMP team of two: every product right."""
+    linear = _linear(1024, 256, True, seed=2)
+    panel = PanelLinear(linear)
+    inputs = [torch.randn(8 + i, 256) for i in range(4)]
+    with torch.inference_mode():
+        expected = [F.linear(x, linear.weight, linear.bias) for x in inputs]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            with torch.inference_mode():
+                for _ in range(50):
+                    torch.testing.assert_close(panel(inputs[i]), expected[i], rtol=1e-5,
+                                               atol=1e-5)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        torch.set_num_threads(before)
+    assert errors == []
+
+
+def test_autograd_falls_back_to_f_linear():
+    linear = _linear(32, 16, True)
+    panel = PanelLinear(linear)
+    x = torch.randn(4, 16, requires_grad=True)
+    panel(x).sum().backward()
+    assert x.grad is not None and linear.weight.grad is not None
+
+
+def test_auto_layout_picks_panels_and_the_config_checks_the_name():
+    assert resolve_layout("auto") == "panels"
+    assert resolve_layout("onednn") == "onednn"
+    with pytest.raises(ValueError, match="linear_layout"):
+        EngineConfig(linear_layout="fast")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    assert pack_linears(model) == 2
+    assert all(isinstance(m, PanelLinear) for m in (model[0], model[2]))
