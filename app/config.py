@@ -86,9 +86,12 @@ class EngineConfig:
     # (app.packed_linear; faster decode and prefill, twice the linear weights' memory); False
     # keeps the model's own layers only
     pack_weights: bool = True
-    # which copy: "panels" (the engine's own AVX2 kernel, app.panel_kernel, built on first
+    # which copy: "panels" (the engine's own AVX2 kernel, app.cpu_kernels, built on first
     # use), "onednn" (oneDNN's blocked layout for 2+ rows), "auto" (panels where it builds)
     linear_layout: str = "auto"
+    # CPU, float32 KV: decode attention reads each row's keys and values where they lie in
+    # the paged pool (the engine's kernel, app/csrc/paged_attention.c); False: gather + SDPA
+    cpu_attention_kernel: bool = True
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

@@ -37,6 +37,7 @@ from app.paged_attention import (
     MixedStep,
     PagedCacheView,
     PagedDecodeStep,
+    inplace_attention_unavailable,
 )
 
 
@@ -113,6 +114,13 @@ class ModelRunner:
         # Decode steps attend over the paged pool (app.paged_attention); every other pass
         # (prefill) is the model's SDPA through the same registered function.
         model.set_attn_implementation(PAGED_ATTENTION)
+        # decode attention reads the pool in place with the engine's CPU kernel where it can
+        reason = (None if config.cpu_attention_kernel
+                  else "turned off (cpu_attention_kernel: false)")
+        self.inplace_reason = reason or inplace_attention_unavailable(
+            self.dtype, [span.device for span in self.spans], self.shape.head_dim,
+            config.resolved_cache_dir)
+        self.inplace_attention = self.inplace_reason is None
 
     def _layers_forward(self, hidden, position_ids, mask, cache,
                         **attention_kwargs) -> torch.Tensor:
@@ -236,7 +244,7 @@ class ModelRunner:
             assert pos < len(table) * cache.block_size, f"position {pos} has no block"
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device).unsqueeze(1)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(1)
-        step = PagedDecodeStep.build(cache, tables, positions)
+        step = PagedDecodeStep.build(cache, tables, positions, inplace=self.inplace_attention)
         with self.lock:
             hidden = self.embed_tokens(ids)  # [B, 1, H]
             hidden = self._layers_forward(hidden, pos, None, PagedCacheView(cache, step),

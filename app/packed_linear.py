@@ -5,7 +5,7 @@ A decode step is a few hundred small matrix products (7 per layer plus the LM he
 handful of rows, and the weights come from memory every step. Two layouts:
 
 - ``panels`` (the default where it builds: x86-64 with AVX2 and FMA and a C compiler): the
-  engine's own kernel, ``app/csrc/panel_gemm.c`` via ``app.panel_kernel``, over the weight
+  engine's own kernel, ``app/csrc/panel_gemm.c`` via ``app.cpu_kernels``, over the weight
   copied into strips of 16 output columns. It reads the weights once per product whatever
   the rows. On SmolLM2-135M, one thread, the 30 layers' linears took 39 ms at 1 row and
   46-50 ms at 8 rows against MKL's 52-55 and 98 ms and oneDNN's 61-71 and 86-94 ms; at 256
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.panel_kernel import kernel_unavailable, load_kernel
+from app.cpu_kernels import kernel_unavailable, load_kernel
 
 LAYOUTS = ("auto", "panels", "onednn")
 
@@ -100,7 +100,7 @@ class PackedLinear(nn.Module):
 
 class PanelLinear(nn.Module):
     """``nn.Linear`` (inference only) over a copy of its weight in panels, multiplied by the
-    engine's own kernel (``app.panel_kernel``) on ``torch.get_num_threads()`` threads.
+    engine's own kernel (``app.cpu_kernels``) on ``torch.get_num_threads()`` threads.
 
     ``weight`` and ``bias`` are the original parameters; the panels are a non-persistent
     buffer. Under autograd (grad enabled and a tensor that wants one) it falls back to

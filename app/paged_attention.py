@@ -12,6 +12,11 @@ every row in one SDPA call per layer, in one of two layouts chosen per step:
 Either way every read is of the row's own blocks (never another sequence's, never
 uninitialized memory).
 
+On the CPU with a float32 pool (``inplace``, the default there:
+``EngineConfig.cpu_attention_kernel``) neither copy is made: the engine's kernel
+(``app/csrc/paged_attention.c``) reads each row's keys and values where they lie, given the
+slots of every row in turn and each row's offset into them.
+
 Grouped-query attention needs no repeated KV: the query heads that share a KV head become
 that head's query positions (``[rows, kv_heads, group, head_dim]``).
 
@@ -34,6 +39,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from app.cpu_kernels import kernel_unavailable, load_kernel
 from app.kv_cache import PagedKVCache
 
 PAGED_ATTENTION = "splitserve_paged"
@@ -54,17 +60,29 @@ class PagedDecodeStep:
     # padded: [B, 1, 1, longest] bool or None (all rows full); exact: [B, T] bool
     mask: dict[torch.device, torch.Tensor | None]
     exact: bool = False
+    # in place (the engine's CPU kernel): read_slots are every row's slots one row after
+    # another, row i's at offsets[i]..offsets[i + 1]; the pool is read where it lies
+    inplace: bool = False
+    offsets: torch.Tensor | None = None
 
     @classmethod
     def build(cls, cache: PagedKVCache, tables: list[list[int]],
-              positions: list[int]) -> PagedDecodeStep:
-        """Row ``i`` writes its new token at ``positions[i]`` and reads ``0..positions[i]``."""
+              positions: list[int], inplace: bool = False) -> PagedDecodeStep:
+        """Row ``i`` writes its new token at ``positions[i]`` and reads ``0..positions[i]``.
+        ``inplace``: for :func:`inplace_attention_unavailable`'s kernel (CPU, float32)."""
         rows = len(tables)
         lengths = torch.tensor([p + 1 for p in positions])
         longest = int(lengths.max())
         per_row = [cache.slot_index(table, n)
                    for table, n in zip(tables, lengths.tolist(), strict=True)]
         write = torch.stack([slots[-1] for slots in per_row])
+        if inplace:
+            read = torch.cat(per_row)
+            offsets = torch.zeros(rows + 1, dtype=torch.long)
+            torch.cumsum(lengths, 0, out=offsets[1:])
+            return cls(rows=rows, write_slots={d: write.to(d) for d in cache.devices},
+                       read_slots={d: read for d in cache.devices},
+                       mask={d: None for d in cache.devices}, inplace=True, offsets=offsets)
         exact = rows * longest > _EXACT_OVER_PADDED * int(lengths.sum())
         if exact:
             read = torch.cat(per_row)
@@ -99,6 +117,8 @@ class PagedCacheView:
         write = self.step.write_slots[layer.device]
         layer[0, write] = key_states[:, :, 0].to(layer.dtype)
         layer[1, write] = value_states[:, :, 0].to(layer.dtype)
+        if self.step.inplace:  # the whole pool: the kernel reads each row's own slots
+            return layer[0], layer[1]
         read = self.step.read_slots[layer.device]
         # [B * longest, kv_heads, head_dim] each
         return layer[0].index_select(0, read), layer[1].index_select(0, read)
@@ -180,11 +200,43 @@ class MixedCacheView:
         return key_states, value_states
 
 
+def inplace_attention_unavailable(cache_dtype: torch.dtype, devices, head_dim: int,
+                                  cache_dir=None) -> str | None:
+    """Why decode attention cannot read the pool in place (the engine's CPU kernel,
+    ``app/csrc/paged_attention.c``), or None when it can."""
+    if any(torch.device(d).type != "cpu" for d in devices):
+        return "the KV pool is not on the CPU"
+    if cache_dtype != torch.float32:
+        return "the KV pool is not float32"
+    if head_dim % 8:
+        return f"head_dim {head_dim} is not a multiple of 8"
+    return kernel_unavailable(cache_dir)
+
+
+def _inplace_attention(query, keys, values, step: PagedDecodeStep, scaling):
+    bsz, heads, _, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == torch.float32
+    q = query.reshape(bsz, heads, head_dim).to(torch.float32).contiguous()
+    out = torch.empty((bsz, heads, head_dim), dtype=torch.float32)
+    read = step.read_slots[keys.device]
+    rc = load_kernel().paged_decode_attention(
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), kv_heads, head_dim,
+        heads // kv_heads, read.data_ptr(), step.offsets.data_ptr(), bsz,
+        head_dim ** -0.5 if scaling is None else float(scaling), out.data_ptr(),
+        torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"paged_decode_attention failed ({rc})")
+    return out.view(bsz, 1, heads, head_dim).to(query.dtype)
+
+
 def _decode_attention(query, key, value, step: PagedDecodeStep, scaling):
-    """Decode rows over their gathered keys/values: ``query`` [B, heads, 1, hd] -> the
-    attention output [B, 1, heads, hd]."""
+    """Decode rows over their gathered keys/values (or, ``step.inplace``, the whole pool
+    read in place): ``query`` [B, heads, 1, hd] -> the attention output [B, 1, heads, hd]."""
     bsz, heads, q_len, head_dim = query.shape
     assert q_len == 1 and bsz == step.rows, "paged attention is for decode steps"
+    if step.inplace:
+        return _inplace_attention(query, key, value, step, scaling)
     kv_heads = key.shape[1]
     group = heads // kv_heads
     mask = step.mask[query.device]

@@ -2,8 +2,9 @@
 
 Prints, for each variant asked for (a dtype; ``+packed`` for linear weights copied into a
 kernel's layout, ``app.packed_linear``: the engine's own panel kernel where it builds, or
-oneDNN's with ``+packed+onednn``; side by side, interleaved in rounds so that a busy spell of a
-shared machine hits every figure alike):
+oneDNN's with ``+packed+onednn``; ``+gather`` for decode attention through a gathered copy and
+SDPA instead of the in-place kernel, ``app.paged_attention``; side by side, interleaved in
+rounds so that a busy spell of a shared machine hits every figure alike):
 
 * the floor: one GEMV (``[1, K] @ [K, N]``) over as many bytes as the model's weights, the
   least a decode step must read;
@@ -125,14 +126,15 @@ class Variant:
 
     def __init__(self, name: str, threads: int, prefill: bool = True) -> None:
         dtype, *flags = name.split("+")
-        unknown = set(flags) - {"packed", "onednn"}
+        unknown = set(flags) - {"packed", "onednn", "gather"}
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
         self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype,
                                             num_threads=threads,
                                             pack_weights="packed" in flags,
                                             linear_layout="onednn" if "onednn" in flags
-                                            else "auto"))
+                                            else "auto",
+                                            cpu_attention_kernel="gather" not in flags))
         self.weight_bytes = step_weight_bytes(self.core.model)
         self.floor = Floor(self.weight_bytes, self.core.runner.dtype)
         self.b1 = Batch(self.core, [CONTEXT], seed=1)
@@ -179,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="float32+packed,float32,bfloat16",
-                        help="comma-separated dtype[+packed]")
+                        help="comma-separated dtype[+packed[+onednn]][+gather]")
+    parser.add_argument("--context", type=int, default=CONTEXT,
+                        help="tokens each batch row holds (default 64)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
@@ -189,16 +193,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the 1024-token prefill")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    global CONTEXT
+    CONTEXT = args.context
     results = measure(args.variants.split(","), args.threads, args.rounds, args.steps,
                       join=not args.no_join, prefill=not args.no_prefill)
     keys = ["weight_mb", "floor_ms", "step1_ms", "step8_ms", "prefill1024_ms", "step1_over_floor",
             "step8_over_step1", "ideal8_fraction", "median_step_ms", "join_step_ms",
             "longest_over_median", "kv_efficiency_batch8", "kv_efficiency_after_join"]
     print(f"decode step, {args.threads} thread(s), {CONTEXT}-token contexts")
-    print(f"{'figure':<26}" + "".join(f"{v:>16}" for v in results))
+    width = max(16, *(len(v) + 2 for v in results))
+    print(f"{'figure':<26}" + "".join(f"{v:>{width}}" for v in results))
     for k in keys:
         if all(k in r for r in results.values()):
-            print(f"{k:<26}" + "".join(f"{results[v][k]:>16.2f}" for v in results))
+            print(f"{k:<26}" + "".join(f"{results[v][k]:>{width}.2f}" for v in results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

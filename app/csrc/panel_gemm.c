@@ -21,7 +21,7 @@
  * the very runtime and thread pool torch's own operators use (torch ships libgomp.so.1):
  * no second pool competing for the cores between the products.
  *
- * Built at run time by app/panel_kernel.py (cc -O3 -mavx2 -mfma -fopenmp -shared); no torch
+ * Built at run time by app/cpu_kernels.py (cc -O3 -mavx2 -mfma -fopenmp -shared); no torch
  * headers.
  */
 #include <immintrin.h>

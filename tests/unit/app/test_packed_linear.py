@@ -92,3 +92,37 @@ async def test_packed_engine_gives_the_plain_models_greedy_tokens(layout):
         await loop.close()
     assert loop.decoder.steps < 12 * len(PROMPTS)  # the rows shared steps
     assert outs == expected
+
+
+@pytest.mark.smollm
+async def test_smollm_on_the_default_layout_gives_the_plain_models_greedy_tokens(
+        smollm_config, smollm_model, smollm_tokenizer):
+    """SmolLM2 as the app loads it (linears in the default layout, batched decode) against
+    the same weights with plain ``nn.Linear`` layers, each prompt alone through generate()."""
+    from dataclasses import replace
+
+    from app.model_loader import load_model
+
+    plain = load_model(replace(smollm_config, pack_weights=False))
+    assert not any(isinstance(m, PackedLinear | PanelLinear) for m in plain.modules())
+    assert any(isinstance(m, PackedLinear | PanelLinear) for m in smollm_model.modules())
+    prompts = [smollm_tokenizer.encode(t) for t in (
+        "The capital of France is", "def fibonacci(n):", "List three primary colors:",
+        "Water boils at")]
+    expected = [hf_greedy(plain, p, 16) for p in prompts]
+    core = EngineCore(EngineConfig(max_batch_size=8), model=smollm_model)
+    reqs = [PrefillRequest(f"s{i}", tuple(p), SamplingParams(max_tokens=16, temperature=0.0,
+                                                             ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    packages = core.make_prefiller().make_packages(reqs)
+    loop = core.make_decode_loop(frozenset())
+
+    async def tokens(pkg) -> list[int]:
+        return [ev.token_id async for ev in loop.generate(pkg)]
+
+    try:
+        outs = await asyncio.gather(*(tokens(pkg) for pkg in packages))
+    finally:
+        await loop.close()
+    assert loop.decoder.steps < 16 * len(prompts)  # the rows shared steps
+    assert outs == expected

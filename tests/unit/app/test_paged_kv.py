@@ -15,7 +15,12 @@ from app.engine_core import EngineCore
 from app.kv_cache import BlockAllocator, LayerSpan, PagedKVCache
 from app.kv_package import KVLayout
 from app.messages import FinishReason, PrefillRequest
-from app.paged_attention import PagedCacheView, PagedDecodeStep, paged_attention
+from app.paged_attention import (
+    PagedCacheView,
+    PagedDecodeStep,
+    inplace_attention_unavailable,
+    paged_attention,
+)
 from app.sampling import SamplingParams
 from app.sequence import Sequence
 from tests.conftest import hf_greedy
@@ -49,11 +54,19 @@ def test_cache_round_trips_a_package_through_scattered_blocks():
     assert cache.slots(table, 3, 6) == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
 
 
-@pytest.mark.parametrize(("lengths", "exact"), [([3, 17, 9], False), ([3, 40, 2], True)])
-def test_paged_attention_equals_each_row_attending_alone(lengths, exact):
+_INPLACE = pytest.mark.skipif(
+    inplace_attention_unavailable(torch.float32, ["cpu"], 8) is not None,
+    reason=str(inplace_attention_unavailable(torch.float32, ["cpu"], 8)))
+
+
+@pytest.mark.parametrize(("lengths", "layout"), [
+    ([3, 17, 9], "padded"), ([3, 40, 2], "exact"),
+    pytest.param([3, 17, 9], "inplace", marks=_INPLACE),
+    pytest.param([1, 40, 2], "inplace", marks=_INPLACE)])
+def test_paged_attention_equals_each_row_attending_alone(lengths, layout):
     """Rows of different lengths over scattered blocks, grouped-query heads, in both gather
-    layouts (lengths alike: padded; one long row: exact): each row's output equals SDPA
-    over exactly its own keys and values."""
+    layouts (lengths alike: padded; one long row: exact) and read in place by the engine's
+    CPU kernel: each row's output equals SDPA over exactly its own keys and values."""
     torch.manual_seed(0)
     cache = _cache(num_blocks=32, block_size=4, layers=1, kv_heads=2, head_dim=8)
     free = iter([5, 1, 9, 3, 20, 4, 30, 11, 7, 0, 2, 6, 8, 10, 12, 13, 14, 15, 16, 17])
@@ -62,14 +75,17 @@ def test_paged_attention_equals_each_row_attending_alone(lengths, exact):
     for table, kv in zip(tables, per_row, strict=True):
         cache.write(table, kv)
     positions = [n - 1 for n in lengths]  # each row re-writes its last position
-    step = PagedDecodeStep.build(cache, tables, positions)
-    assert step.exact is exact
+    step = PagedDecodeStep.build(cache, tables, positions, inplace=layout == "inplace")
+    assert step.exact is (layout == "exact") and step.inplace is (layout == "inplace")
     view = PagedCacheView(cache, step)
     new_k = torch.stack([kv[0, 0, :, -1] for kv in per_row])[:, :, None]  # [B, kvh, 1, hd]
     new_v = torch.stack([kv[0, 1, :, -1] for kv in per_row])[:, :, None]
     keys, values = view.update(new_k, new_v, 0)
-    expected_rows = sum(lengths) if exact else len(lengths) * max(lengths)
+    expected_rows = {"exact": sum(lengths), "padded": len(lengths) * max(lengths),
+                     "inplace": 32 * 4}[layout]  # in place: the whole pool, no copy
     assert keys.shape == (expected_rows, 2, 8)
+    if layout == "inplace":
+        assert keys.data_ptr() == cache.layers[0][0].data_ptr()
     query = torch.randn(3, 4, 1, 8)  # 4 query heads over 2 KV heads
     out, _ = paged_attention(None, query, keys, values, None, scaling=0.3, paged_step=step)
     assert out.shape == (3, 1, 4, 8)

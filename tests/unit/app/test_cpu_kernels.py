@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app import panel_kernel
+from app import cpu_kernels
 from app.config import EngineConfig
 from app.packed_linear import PanelLinear, pack_linears, resolve_layout
 
 # Only a CPU the kernel is not written for, or a machine without a C compiler, skips these:
 # on an AVX2 machine with a compiler a build that fails is a failure.
 pytestmark = pytest.mark.skipif(
-    panel_kernel.cpu_unsupported() is not None or panel_kernel._compiler() is None,
-    reason=f"{panel_kernel.cpu_unsupported() or 'no C compiler'}")
+    cpu_kernels.cpu_unsupported() is not None or cpu_kernels._compiler() is None,
+    reason=f"{cpu_kernels.cpu_unsupported() or 'no C compiler'}")
 
 
 def _linear(n: int, k: int, bias: bool, seed: int = 0) -> nn.Linear:
@@ -27,13 +27,13 @@ def _linear(n: int, k: int, bias: bool, seed: int = 0) -> nn.Linear:
 
 
 def test_the_kernel_builds_and_is_cached(tmp_path):
-    assert panel_kernel.kernel_unavailable() is None
-    lib = panel_kernel.load_kernel()
-    assert lib is panel_kernel.load_kernel()  # built once per process
+    assert cpu_kernels.kernel_unavailable() is None
+    lib = cpu_kernels.load_kernel()
+    assert lib is cpu_kernels.load_kernel()  # built once per process
     assert lib.panel_nr() == 16
     # the cached file is named by the source's hash: an edited kernel is rebuilt
-    assert panel_kernel.library_path(tmp_path).name.startswith("panel_gemm-")
-    assert panel_kernel.library_path(tmp_path).parent == tmp_path / "kernels"
+    assert cpu_kernels.library_path(tmp_path).name.startswith("splitserve-cpu-")
+    assert cpu_kernels.library_path(tmp_path).parent == tmp_path / "kernels"
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -129,3 +129,37 @@ def test_auto_layout_picks_panels_and_the_config_checks_the_name():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     assert pack_linears(model) == 2
     assert all(isinstance(m, PanelLinear) for m in (model[0], model[2]))
+
+
+async def test_decode_reads_the_pool_in_place_unless_turned_off():
+    """The runner's decode steps use the in-place attention kernel by default; with
+    ``cpu_attention_kernel: false`` they gather and call SDPA; the greedy tokens of a batch
+    of different lengths are generate()'s either way."""
+    import asyncio
+
+    from app.engine_core import EngineCore
+    from app.messages import PrefillRequest
+    from app.sampling import SamplingParams
+    from tests.conftest import hf_greedy, make_tiny_model
+
+    prompts = [[5, 9, 13, 200, 7], list(range(100, 160)), [300, 41, 8], [77] * 30]
+    expected = [hf_greedy(make_tiny_model(seed=6), p, 10) for p in prompts]
+    for on in (True, False):
+        core = EngineCore(EngineConfig(max_batch_size=8, cpu_attention_kernel=on,
+                                       pack_weights=False), model=make_tiny_model(seed=6))
+        assert core.runner.inplace_attention is on
+        if not on:
+            assert "turned off" in core.runner.inplace_reason
+        reqs = [PrefillRequest(f"r{i}", tuple(p), SamplingParams(
+            max_tokens=10, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
+        packages = core.make_prefiller().make_packages(reqs)
+        loop = core.make_decode_loop(frozenset())
+
+        async def tokens(pkg, loop=loop) -> list[int]:
+            return [ev.token_id async for ev in loop.generate(pkg)]
+
+        try:
+            outs = await asyncio.gather(*(tokens(pkg) for pkg in packages))
+        finally:
+            await loop.close()
+        assert outs == expected, on
