@@ -178,6 +178,7 @@ def measure(names: list[str], threads: int, rounds: int, steps: int,
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CONTEXT
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="float32+packed,float32,bfloat16",
@@ -193,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the 1024-token prefill")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    global CONTEXT
     CONTEXT = args.context
     results = measure(args.variants.split(","), args.threads, args.rounds, args.steps,
                       join=not args.no_join, prefill=not args.no_prefill)
