@@ -5,9 +5,11 @@
  * nothing else, straight from the pool: no gathered copy, no padding, no mask. Grouped-query
  * attention: query head j reads KV head j / group.
  *
- * Per (row, KV head): the scores of the group's query heads over the row's positions (each
- * key loaded once for the group), softmax in float32 (max subtracted, expf), then the values
- * weighted. Rows x KV heads are shared out over an OpenMP team of `threads` (torch's own
+ * Per (row, KV head): the scores of the group's query heads over the row's positions,
+ * softmax in float32 (max subtracted), then the values weighted. head_dim 64 (SmolLM2's, and
+ * most small models') has its own path: eight keys scored at a time with one horizontal pass
+ * per eight, a vector exp, the output's 64 sums held in registers; any other multiple of 8
+ * goes through the general one (a dot product per key, expf). Rows x KV heads are shared out over an OpenMP team of `threads` (torch's own
  * pool, as in panel_gemm.c).
  *
  * The layer's pool is [2, slots, kv_heads, head_dim] (keys, then values), contiguous.
@@ -64,6 +66,114 @@ static void one_head(const float *q, const float *keys, const float *values, lon
     }
 }
 
+/* exp of 8 floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial), as in the
+   widely used avx_mathfun; relative error about 2e-7 over the softmax's range (x <= 0). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    __m256 xx = _mm256_mul_ps(x, x);
+    y = _mm256_fmadd_ps(y, xx, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx),
+                                                   _mm256_set1_epi32(0x7f)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* Eight sums of eight vectors each, as one vector (a[j]'s lanes summed into lane j). */
+static inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                            __m256 a6, __m256 a7) {
+    __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                         _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+/* one_head for head_dim 64: scores eight keys at a time, one horizontal pass per eight; a
+   vector softmax; the output's 64 sums held in registers over the values. */
+static void one_head64(const float *q, const float *keys, const float *values, long kv_heads,
+                       long group, const long *slots, long n, float scale, float *out,
+                       float *scores) {
+    const long hd = 64, stride = kv_heads * 64;
+    __m256 vscale = _mm256_set1_ps(scale);
+    for (long g = 0; g < group; g++) {
+        const float *qg = q + g * hd;
+        float *s = scores + g * n;
+        long i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const float *k[8];
+            for (int j = 0; j < 8; j++) k[j] = keys + slots[i + j] * stride;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
+            __m256 a3 = _mm256_setzero_ps(), a4 = _mm256_setzero_ps(), a5 = _mm256_setzero_ps();
+            __m256 a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
+            for (long c = 0; c < hd; c += 8) {
+                __m256 qc = _mm256_loadu_ps(qg + c);
+                a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[0] + c), a0);
+                a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[1] + c), a1);
+                a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[2] + c), a2);
+                a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[3] + c), a3);
+                a4 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[4] + c), a4);
+                a5 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[5] + c), a5);
+                a6 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[6] + c), a6);
+                a7 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[7] + c), a7);
+            }
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(sum8x8(a0, a1, a2, a3, a4, a5, a6, a7),
+                                                  vscale));
+        }
+        for (; i < n; i++) s[i] = dot8(qg, keys + slots[i] * stride, hd) * scale;
+        float top = s[0];
+        for (long t = 1; t < n; t++) top = s[t] > top ? s[t] : top;
+        __m256 vtop = _mm256_set1_ps(top), vsum = _mm256_setzero_ps();
+        float total = 0.0f;
+        long t = 0;
+        for (; t + 8 <= n; t += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vtop));
+            _mm256_storeu_ps(s + t, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        for (; t < n; t++) {
+            s[t] = expf(s[t] - top);
+            total += s[t];
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vsum);
+        for (int j = 0; j < 8; j++) total += lanes[j];
+        __m256 o0 = _mm256_setzero_ps(), o1 = _mm256_setzero_ps(), o2 = _mm256_setzero_ps();
+        __m256 o3 = _mm256_setzero_ps(), o4 = _mm256_setzero_ps(), o5 = _mm256_setzero_ps();
+        __m256 o6 = _mm256_setzero_ps(), o7 = _mm256_setzero_ps();
+        for (long r = 0; r < n; r++) {
+            const float *v = values + slots[r] * stride;
+            __m256 p = _mm256_set1_ps(s[r]);
+            o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), o0);
+            o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), o1);
+            o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), o2);
+            o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), o3);
+            o4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 32), o4);
+            o5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 40), o5);
+            o6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 48), o6);
+            o7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 56), o7);
+        }
+        __m256 inv = _mm256_set1_ps(1.0f / total);
+        float *o = out + g * hd;
+        _mm256_storeu_ps(o, _mm256_mul_ps(o0, inv));
+        _mm256_storeu_ps(o + 8, _mm256_mul_ps(o1, inv));
+        _mm256_storeu_ps(o + 16, _mm256_mul_ps(o2, inv));
+        _mm256_storeu_ps(o + 24, _mm256_mul_ps(o3, inv));
+        _mm256_storeu_ps(o + 32, _mm256_mul_ps(o4, inv));
+        _mm256_storeu_ps(o + 40, _mm256_mul_ps(o5, inv));
+        _mm256_storeu_ps(o + 48, _mm256_mul_ps(o6, inv));
+        _mm256_storeu_ps(o + 56, _mm256_mul_ps(o7, inv));
+    }
+}
+
 /* q, out: [rows, kv_heads * group, hd]. Returns 0, or -1 when hd is not a multiple of 8, -2
    when scratch memory cannot be had. */
 int paged_decode_attention(const float *q, const float *keys, const float *values,
@@ -87,7 +197,10 @@ int paged_decode_attention(const float *q, const float *keys, const float *value
         long b = t / kv_heads, h = t % kv_heads;
         long n = offsets[b + 1] - offsets[b];
         long head0 = (b * kv_heads + h) * group * hd;
-        if (n > 0) {
+        if (n > 0 && hd == 64) {
+            one_head64(q + head0, keys + h * hd, values + h * hd, kv_heads, group,
+                       read + offsets[b], n, scale, out + head0, scores);
+        } else if (n > 0) {
             one_head(q + head0, keys + h * hd, values + h * hd, kv_heads, hd, group,
                      read + offsets[b], n, scale, out + head0, scores);
         } else {

@@ -163,3 +163,33 @@ async def test_decode_reads_the_pool_in_place_unless_turned_off():
         finally:
             await loop.close()
         assert outs == expected, on
+
+
+@pytest.mark.parametrize("head_dim", [64, 16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_in_place_attention_equals_sdpa_over_each_rows_own_slots(head_dim, threads):
+    """The attention kernel straight on a pool: rows of lengths around its blocks of eight
+    keys, scattered slots, grouped-query heads (9 over 3, SmolLM2's), head_dim 64 (its
+    specialised path) and 16 (the general one)."""
+    torch.manual_seed(1)
+    lib = cpu_kernels.load_kernel()
+    kv_heads, group, slots = 3, 3, 2048
+    pool = torch.randn(2, slots, kv_heads, head_dim)
+    lengths = [1, 7, 8, 9, 70, 321]
+    order = torch.randperm(slots)
+    per_row, start = [], 0
+    for n in lengths:
+        per_row.append(order[start:start + n])
+        start += n
+    read = torch.cat(per_row)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q = torch.randn(len(lengths), kv_heads * group, head_dim)
+    out = torch.empty_like(q)
+    assert lib.paged_decode_attention(
+        q.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(), kv_heads, head_dim, group,
+        read.data_ptr(), offsets.data_ptr(), len(lengths), 0.125, out.data_ptr(), threads) == 0
+    for b, slots_b in enumerate(per_row):
+        k = pool[0, slots_b].transpose(0, 1).repeat_interleave(group, 0)  # [heads, n, hd]
+        v = pool[1, slots_b].transpose(0, 1).repeat_interleave(group, 0)
+        ref = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=0.125)[:, 0]
+        torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)
