@@ -103,8 +103,8 @@ class PanelLinear(nn.Module):
     engine's own kernel (``app.cpu_kernels``) on ``torch.get_num_threads()`` threads.
 
     ``weight`` and ``bias`` are the original parameters; the panels are a non-persistent
-    buffer. Under autograd (grad enabled and a tensor that wants one) it falls back to
-    ``F.linear``.
+    buffer. Under autograd (grad enabled and a tensor that wants one), for an input that is
+    not float32 on the CPU, or once moved off the CPU, it falls back to ``F.linear``.
     """
 
     def __init__(self, linear: nn.Linear, cache_dir: Path | None = None) -> None:
@@ -123,8 +123,10 @@ class PanelLinear(nn.Module):
         self._bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return F.linear(x, self.weight, self.bias)
+        if (x.dtype != torch.float32 or x.device.type != "cpu"
+                or self.panels.device.type != "cpu"
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            return F.linear(x, self.weight, self.bias)  # what the kernel is not for
         k, n = self.in_features, self.out_features
         rows = x.reshape(-1, k)
         if not rows.is_contiguous():

@@ -113,12 +113,18 @@ def test_concurrent_callers_each_get_their_own_product():
     assert errors == []
 
 
-def test_autograd_falls_back_to_f_linear():
+def test_autograd_and_other_dtypes_fall_back_to_f_linear():
     linear = _linear(32, 16, True)
     panel = PanelLinear(linear)
     x = torch.randn(4, 16, requires_grad=True)
     panel(x).sum().backward()
     assert x.grad is not None and linear.weight.grad is not None
+    x64 = torch.randn(3, 16, dtype=torch.float64)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="dtype"):
+            panel(x64)  # F.linear's own error, never float64 bytes read as float32
+        panel.to(torch.float64)  # weight and panels cast: F.linear on the cast weight
+        torch.testing.assert_close(panel(x64), F.linear(x64, linear.weight, linear.bias))
 
 
 def test_auto_layout_picks_panels_and_the_config_checks_the_name():
