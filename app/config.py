@@ -36,6 +36,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"unsupported dtype {dtype}")
 
 
+# EngineConfig.linear_layout's values (app.packed_linear)
+LINEAR_LAYOUTS = ("auto", "panels", "onednn")
+
+
 def default_cache_dir() -> Path:
     """Where converted models live: ``$SPLITSERVE_CACHE`` or ``~/.cache/splitserve``."""
     env = os.environ.get("SPLITSERVE_CACHE")
@@ -119,9 +123,9 @@ class EngineConfig:
                      "prefill_max_batch_size", "prefill_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.linear_layout not in ("auto", "panels", "onednn"):
+        if self.linear_layout not in LINEAR_LAYOUTS:
             raise ValueError(
-                f"linear_layout must be 'auto', 'panels' or 'onednn', got {self.linear_layout!r}"
+                f"linear_layout must be one of {LINEAR_LAYOUTS}, got {self.linear_layout!r}"
             )
         if self.prefill_fairness_s < 0 or self.prefix_cache_mb < 0:
             raise ValueError("prefill_fairness_s and prefix_cache_mb must be >= 0")

@@ -32,9 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.config import LINEAR_LAYOUTS as LAYOUTS
 from app.cpu_kernels import kernel_unavailable, load_kernel
-
-LAYOUTS = ("auto", "panels", "onednn")
 
 # Rows the blocked layout is tuned for. 8 served 1 to 256 rows as well as or better than
 # 1, 32 or 256 did on this project's CPU (a 2-core AMD EPYC, AVX2).

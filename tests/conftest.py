@@ -74,3 +74,27 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int,
         pad_token_id=eos if eos is not None else 0,
     )
     return out[0, len(prompt):].tolist()
+
+
+async def engine_greedy(core, prompts: list[list[int]],
+                        max_tokens: int) -> tuple[list[list[int]], int]:
+    """The engine's greedy tokens for ``prompts`` sent together (prefilled as one batch,
+    decoded in one loop, ``ignore_eos``) and the decode steps that took."""
+    import asyncio
+
+    from app.messages import PrefillRequest
+    from app.sampling import SamplingParams
+
+    reqs = [PrefillRequest(f"g{i}", tuple(p), SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
+    packages = core.make_prefiller().make_packages(reqs)
+    loop = core.make_decode_loop(frozenset())
+
+    async def tokens(pkg) -> list[int]:
+        return [ev.token_id async for ev in loop.generate(pkg)]
+
+    try:
+        outs = list(await asyncio.gather(*(tokens(pkg) for pkg in packages)))
+    finally:
+        await loop.close()
+    return outs, loop.decoder.steps

@@ -141,12 +141,8 @@ async def test_decode_reads_the_pool_in_place_unless_turned_off():
     """The runner's decode steps use the in-place attention kernel by default; with
     ``cpu_attention_kernel: false`` they gather and call SDPA; the greedy tokens of a batch
     of different lengths are generate()'s either way."""
-    import asyncio
-
     from app.engine_core import EngineCore
-    from app.messages import PrefillRequest
-    from app.sampling import SamplingParams
-    from tests.conftest import hf_greedy, make_tiny_model
+    from tests.conftest import engine_greedy, hf_greedy, make_tiny_model
 
     prompts = [[5, 9, 13, 200, 7], list(range(100, 160)), [300, 41, 8], [77] * 30]
     expected = [hf_greedy(make_tiny_model(seed=6), p, 10) for p in prompts]
@@ -156,18 +152,7 @@ async def test_decode_reads_the_pool_in_place_unless_turned_off():
         assert core.runner.inplace_attention is on
         if not on:
             assert "turned off" in core.runner.inplace_reason
-        reqs = [PrefillRequest(f"r{i}", tuple(p), SamplingParams(
-            max_tokens=10, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
-        packages = core.make_prefiller().make_packages(reqs)
-        loop = core.make_decode_loop(frozenset())
-
-        async def tokens(pkg, loop=loop) -> list[int]:
-            return [ev.token_id async for ev in loop.generate(pkg)]
-
-        try:
-            outs = await asyncio.gather(*(tokens(pkg) for pkg in packages))
-        finally:
-            await loop.close()
+        outs, _ = await engine_greedy(core, prompts, 10)
         assert outs == expected, on
 
 

@@ -3,19 +3,15 @@ model, same tokens; oneDNN's one-row products exact."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from torch import nn
 
 from app.config import EngineConfig
 from app.engine_core import EngineCore
-from app.messages import PrefillRequest
 from app.model_loader import fingerprint
 from app.packed_linear import PackedLinear, PanelLinear, pack_linears, packing_unavailable
-from app.sampling import SamplingParams
-from tests.conftest import hf_greedy, make_tiny_model
+from tests.conftest import engine_greedy, hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.skipif(packing_unavailable(make_tiny_model(), "onednn") is not None,
                                 reason="torch built without oneDNN")
@@ -77,20 +73,8 @@ async def test_packed_engine_gives_the_plain_models_greedy_tokens(layout):
     packed = make_tiny_model(seed=5)
     pack_linears(packed, layout=layout)
     core = EngineCore(EngineConfig(max_batch_size=8), model=packed)
-    reqs = [PrefillRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=12, temperature=0.0,
-                                                             ignore_eos=True))
-            for i, p in enumerate(PROMPTS)]
-    packages = core.make_prefiller().make_packages(reqs)
-    loop = core.make_decode_loop(frozenset())
-
-    async def tokens(pkg) -> list[int]:
-        return [ev.token_id async for ev in loop.generate(pkg)]
-
-    try:
-        outs = await asyncio.gather(*(tokens(pkg) for pkg in packages))
-    finally:
-        await loop.close()
-    assert loop.decoder.steps < 12 * len(PROMPTS)  # the rows shared steps
+    outs, steps = await engine_greedy(core, PROMPTS, 12)
+    assert steps < 12 * len(PROMPTS)  # the rows shared steps
     assert outs == expected
 
 
@@ -111,18 +95,6 @@ async def test_smollm_on_the_default_layout_gives_the_plain_models_greedy_tokens
         "Water boils at")]
     expected = [hf_greedy(plain, p, 16) for p in prompts]
     core = EngineCore(EngineConfig(max_batch_size=8), model=smollm_model)
-    reqs = [PrefillRequest(f"s{i}", tuple(p), SamplingParams(max_tokens=16, temperature=0.0,
-                                                             ignore_eos=True))
-            for i, p in enumerate(prompts)]
-    packages = core.make_prefiller().make_packages(reqs)
-    loop = core.make_decode_loop(frozenset())
-
-    async def tokens(pkg) -> list[int]:
-        return [ev.token_id async for ev in loop.generate(pkg)]
-
-    try:
-        outs = await asyncio.gather(*(tokens(pkg) for pkg in packages))
-    finally:
-        await loop.close()
-    assert loop.decoder.steps < 16 * len(prompts)  # the rows shared steps
+    outs, steps = await engine_greedy(core, prompts, 16)
+    assert steps < 16 * len(prompts)  # the rows shared steps
     assert outs == expected
