@@ -96,6 +96,10 @@ class EngineConfig:
     # CPU, float32 KV: decode attention reads each row's keys and values where they lie in
     # the paged pool (the engine's kernel, app/csrc/paged_attention.c); False: gather + SDPA
     cpu_attention_kernel: bool = True
+    # a Llama-style model with panel-packed linears and in-place attention: each decode step's
+    # layers run as one call to the engine's C kernel (app.fused_decode); False: through the
+    # model's modules
+    fused_decode: bool = True
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

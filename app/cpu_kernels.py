@@ -43,8 +43,9 @@ from app.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("panel_gemm.c", "paged_attention.c"))
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "paged_attention.c", "decode_step.c"))
+HEADERS = (_CSRC / "vec_math.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 BUILD_TIMEOUT_S = 300.0
 
@@ -77,7 +78,7 @@ def _compiler() -> str | None:
 
 
 def library_path(cache_dir: Path) -> Path:
-    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)
                             + " ".join(FLAGS).encode()).hexdigest()[:16]
     return cache_dir / "kernels" / f"splitserve-cpu-{digest}.so"
 
@@ -113,6 +114,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, size, size, size, ptr, ptr, size,
                                            ctypes.c_float, ptr, ctypes.c_int]
+    lib.decode_step_layer_ptrs.restype = size
+    lib.decode_step_layer_ptrs.argtypes = []
+    lib.decode_step.restype = ctypes.c_int
+    lib.decode_step.argtypes = [ptr, size, size, ptr, size, size, size, size, size, ptr, ptr,
+                                ctypes.c_float, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr,
+                                size, ptr, ctypes.c_int]
     return lib
 
 

@@ -28,6 +28,7 @@ import threading
 import torch
 
 from app.config import EngineConfig, dtype_name
+from app.fused_decode import FusedDecode, fused_decode_unavailable
 from app.kv_cache import PagedKVCache, layer_spans
 from app.kv_package import KVLayout
 from app.model_loader import ModelShape, check_architecture
@@ -121,6 +122,10 @@ class ModelRunner:
             self.dtype, [span.device for span in self.spans], self.shape.head_dim,
             config.resolved_cache_dir)
         self.inplace_attention = self.inplace_reason is None
+        # and the whole decode step in one kernel call where the model is one it computes
+        reason = None if config.fused_decode else "turned off (fused_decode: false)"
+        self.fused_reason = reason or fused_decode_unavailable(model, self.inplace_attention)
+        self.fused = FusedDecode(model) if self.fused_reason is None else None
 
     def _layers_forward(self, hidden, position_ids, mask, cache,
                         **attention_kwargs) -> torch.Tensor:
@@ -247,6 +252,9 @@ class ModelRunner:
         step = PagedDecodeStep.build(cache, tables, positions, inplace=self.inplace_attention)
         with self.lock:
             hidden = self.embed_tokens(ids)  # [B, 1, H]
+            if self.fused is not None:
+                cos, sin = self.rotary_emb(hidden, pos)  # [B, 1, head_dim] each
+                return self.fused(hidden[:, 0], cos[:, 0], sin[:, 0], cache, step)
             hidden = self._layers_forward(hidden, pos, None, PagedCacheView(cache, step),
                                           paged_step=step)
             return self._logits(hidden[:, -1])

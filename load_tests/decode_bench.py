@@ -3,8 +3,10 @@
 Prints, for each variant asked for (a dtype; ``+packed`` for linear weights copied into a
 kernel's layout, ``app.packed_linear``: the engine's own panel kernel where it builds, or
 oneDNN's with ``+packed+onednn``; ``+gather`` for decode attention through a gathered copy and
-SDPA instead of the in-place kernel, ``app.paged_attention``; side by side, interleaved in
-rounds so that a busy spell of a shared machine hits every figure alike):
+SDPA instead of the in-place kernel, ``app.paged_attention``; ``+unfused`` for a decode step
+through the model's modules instead of one call to the fused kernel, ``app.fused_decode``;
+side by side, interleaved in rounds so that a busy spell of a shared machine hits every
+figure alike):
 
 * the floor: one GEMV (``[1, K] @ [K, N]``) over as many bytes as the model's weights, the
   least a decode step must read;
@@ -126,7 +128,7 @@ class Variant:
 
     def __init__(self, name: str, threads: int, prefill: bool = True) -> None:
         dtype, *flags = name.split("+")
-        unknown = set(flags) - {"packed", "onednn", "gather"}
+        unknown = set(flags) - {"packed", "onednn", "gather", "unfused"}
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
         self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype,
@@ -134,7 +136,8 @@ class Variant:
                                             pack_weights="packed" in flags,
                                             linear_layout="onednn" if "onednn" in flags
                                             else "auto",
-                                            cpu_attention_kernel="gather" not in flags))
+                                            cpu_attention_kernel="gather" not in flags,
+                                            fused_decode="unfused" not in flags))
         self.weight_bytes = step_weight_bytes(self.core.model)
         self.floor = Floor(self.weight_bytes, self.core.runner.dtype)
         self.b1 = Batch(self.core, [CONTEXT], seed=1)
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="float32+packed,float32,bfloat16",
-                        help="comma-separated dtype[+packed[+onednn]][+gather]")
+                        help="comma-separated dtype[+packed[+onednn]][+gather][+unfused]")
     parser.add_argument("--context", type=int, default=CONTEXT,
                         help="tokens each batch row holds (default 64)")
     parser.add_argument("--threads", type=int, default=1)

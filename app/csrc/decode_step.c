@@ -1,0 +1,160 @@
+/* A whole decode step of a Llama-style decoder in one call (x86-64, AVX2 + FMA, float32).
+ *
+ * Every layer of a decode step is a dozen small operations on a handful of rows: RMSNorm,
+ * the q/k/v product, rotary embedding, the KV write, attention, the output product, the
+ * residual, RMSNorm again, gate/up, SiLU, down, the residual. Through the model's Python
+ * modules that is hundreds of torch calls a step, each a few microseconds of dispatch, and
+ * on one core those microseconds are the step's time beyond reading the weights. Here the
+ * whole stack runs in C, the products through panel_gemm.c and attention through
+ * paged_attention.c, so a step costs what its arithmetic and memory traffic cost.
+ *
+ * The arithmetic is the model's: RMSNorm as Llama's (x * rsqrt(mean(x^2) + eps), then the
+ * weight), rotary embedding as Hugging Face's rotate_half form over the cos/sin the model's
+ * own rotary module computed for each row's position (so any rope scaling it implements
+ * holds), SiLU(gate) * up, the residual sums. Sums run in another order than torch's, so
+ * values differ from the model's in the last bits, as the panel kernel's products do.
+ *
+ * Per layer, the caller passes LAYER_PTRS pointers (see the enum): the norms' weights, the
+ * panels of q/k/v side by side (one product for all three: the 192-wide k and v products
+ * alone stream too little to reach the memory's speed), the output product's, gate/up side
+ * by side, down, any biases (NULL when absent), and the layer's KV pool (keys, values:
+ * [slots, kv_heads, head_dim] each). Row b writes its new key and value at write[b] and
+ * attends the slots read[offsets[b] .. offsets[b + 1]) (its own, in position order,
+ * the new one last).
+ *
+ * Built at run time by app/cpu_kernels.py with the other kernels.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+void panel_linear(const float *x, long m, long k, const float *p, long n, const float *bias,
+                  float *y, int threads);
+int paged_decode_attention(const float *q, const float *keys, const float *values,
+                           long kv_heads, long hd, long group, const long *read,
+                           const long *offsets, long rows, float scale, float *out,
+                           int threads);
+
+enum {
+    IN_NORM,   /* [hidden] */
+    QKV,       /* panels of [q; k; v] weights, [heads + 2 kv_heads] * head_dim outputs */
+    QKV_BIAS,  /* [q; k; v] bias or NULL */
+    O,         /* panels of the output product, hidden outputs */
+    O_BIAS,
+    POST_NORM, /* [hidden] */
+    GATE_UP,   /* panels of [gate; up], 2 * inter outputs */
+    GATE_UP_BIAS,
+    DOWN,      /* panels of down, hidden outputs */
+    DOWN_BIAS,
+    KEYS,      /* the layer's pool: [slots, kv_heads, head_dim] */
+    VALUES,
+    LAYER_PTRS
+};
+
+long decode_step_layer_ptrs(void) { return LAYER_PTRS; }
+
+/* out[i] = w * (x[i] * rsqrt(mean(x[i]^2) + eps)) for each of m rows of h values. */
+static void rms_norm(const float *x, long m, long h, const float *w, float eps, float *out) {
+    for (long i = 0; i < m; i++) {
+        const float *xi = x + i * h;
+        float *oi = out + i * h;
+        __m256 acc = _mm256_setzero_ps();
+        long d = 0;
+        for (; d + 8 <= h; d += 8) {
+            __m256 v = _mm256_loadu_ps(xi + d);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float sum = hsum8(acc);
+        for (; d < h; d++) sum += xi[d] * xi[d];
+        float r = 1.0f / sqrtf(sum / (float)h + eps);
+        for (d = 0; d < h; d++) oi[d] = w[d] * (xi[d] * r);
+    }
+}
+
+/* Rotary embedding in place on `heads` heads of hd values: x * cos + rotate_half(x) * sin. */
+static void rope(float *x, long heads, long hd, const float *cos, const float *sin) {
+    long half = hd / 2;
+    for (long h = 0; h < heads; h++) {
+        float *v = x + h * hd;
+        for (long d = 0; d < half; d++) {
+            float a = v[d], b = v[d + half];
+            v[d] = a * cos[d] - b * sin[d];
+            v[d + half] = b * cos[d + half] + a * sin[d + half];
+        }
+    }
+}
+
+/* act[i] = silu(gate[i]) * up[i] over m rows, gate and up side by side in gu [m, 2 * inter]. */
+static void silu_mul(const float *gu, long m, long inter, float *act) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (long i = 0; i < m; i++) {
+        const float *g = gu + i * 2 * inter, *u = g + inter;
+        float *a = act + i * inter;
+        long d = 0;
+        for (; d + 8 <= inter; d += 8) {
+            __m256 gv = _mm256_loadu_ps(g + d);
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(a + d, _mm256_mul_ps(s, _mm256_loadu_ps(u + d)));
+        }
+        for (; d < inter; d++) a[d] = g[d] / (1.0f + expf(-g[d])) * u[d];
+    }
+}
+
+static void add_into(float *x, const float *y, long n) {
+    for (long i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* hidden [m, H] (updated in place) through n_layers layers; then, when head is not NULL,
+   the final norm and the LM head's product into logits [m, vocab]. cos, sin: [m, hd].
+   Returns 0, -1 for shapes the kernels do not take, -2 when scratch memory cannot be had,
+   or attention's own failure code minus 10. */
+int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hsize,
+                long heads, long kv_heads, long hd, long inter, const float *cos,
+                const float *sin, float eps, float scale, const long *write, const long *read,
+                const long *offsets, const float *final_norm, const float *head,
+                const float *head_bias, long vocab, float *logits, int threads) {
+    if (hd % 8 != 0 || heads % kv_heads != 0) return -1;
+    long nq = heads * hd, nkv = kv_heads * hd, nqkv = nq + 2 * nkv;
+    long widest = nqkv > 2 * inter ? nqkv : 2 * inter;
+    float *scratch = malloc(sizeof(float) * (size_t)(m * (2 * hsize + 2 * nq + widest + inter)));
+    if (scratch == NULL) return -2;
+    float *xn = scratch, *tmp = xn + m * hsize, *q = tmp + m * hsize, *att = q + m * nq;
+    float *wide = att + m * nq, *act = wide + m * widest;
+    int rc = 0;
+    for (long l = 0; l < n_layers && rc == 0; l++) {
+        void *const *w = ptrs + l * LAYER_PTRS;
+        float *keys = w[KEYS], *values = w[VALUES];
+        rms_norm(hidden, m, hsize, w[IN_NORM], eps, xn);
+        panel_linear(xn, m, hsize, w[QKV], nqkv, w[QKV_BIAS], wide, threads);
+        for (long b = 0; b < m; b++) {
+            float *row = wide + b * nqkv;
+            rope(row, heads, hd, cos + b * hd, sin + b * hd);
+            rope(row + nq, kv_heads, hd, cos + b * hd, sin + b * hd);
+            memcpy(q + b * nq, row, sizeof(float) * nq);
+            memcpy(keys + write[b] * nkv, row + nq, sizeof(float) * nkv);
+            memcpy(values + write[b] * nkv, row + nq + nkv, sizeof(float) * nkv);
+        }
+        int arc = paged_decode_attention(q, keys, values, kv_heads, hd, heads / kv_heads, read,
+                                         offsets, m, scale, att, threads);
+        if (arc != 0) {
+            rc = arc - 10;
+            break;
+        }
+        panel_linear(att, m, nq, w[O], hsize, w[O_BIAS], tmp, threads);
+        add_into(hidden, tmp, m * hsize);
+        rms_norm(hidden, m, hsize, w[POST_NORM], eps, xn);
+        panel_linear(xn, m, hsize, w[GATE_UP], 2 * inter, w[GATE_UP_BIAS], wide, threads);
+        silu_mul(wide, m, inter, act);
+        panel_linear(act, m, inter, w[DOWN], hsize, w[DOWN_BIAS], tmp, threads);
+        add_into(hidden, tmp, m * hsize);
+    }
+    if (rc == 0 && head != NULL) {
+        rms_norm(hidden, m, hsize, final_norm, eps, xn);
+        panel_linear(xn, m, hsize, head, vocab, head_bias, logits, threads);
+    }
+    free(scratch);
+    return rc;
+}

@@ -1,0 +1,168 @@
+"""A decode step's layers in one call to the engine's C kernel (``app/csrc/decode_step.c``).
+
+Through the model's own modules a decode step of SmolLM2-135M is about a thousand torch
+operations (30 layers of norms, products, rotary embedding, the KV write, attention, SiLU and
+residual adds, most on a few hundred floats), each paying torch's dispatch. On the one core of
+the split's decode replica that cost ~15 ms of a 55 ms step at batch 1 after the products had
+their own kernel. :class:`FusedDecode` runs the whole stack, final norm and LM head included,
+as one C call over the same weights (the panels ``app.packed_linear`` made) and the same paged
+pool, so a step costs its arithmetic and its memory traffic.
+
+It serves Llama-style decoders (Llama, Mistral, Qwen2: pre-norm RMSNorm layers, rotary
+attention with grouped KV heads, a SiLU-gated MLP) whose linears are panel-packed and whose
+attention reads the pool in place. :func:`fused_decode_unavailable` says why a model is not
+served (the runner then steps through the model's modules, as before). The embedding lookup
+and the rotary module's cos/sin stay the model's own (one call each), so any rope scaling the
+model implements holds. The q/k/v panels and the gate/up panels are laid side by side in one
+buffer each (the separate layers' panels become views of it: no extra memory), so each pair
+or triple is one product.
+
+Prefill and mixed passes keep the model's modules: a pass over hundreds of tokens spends its
+time in the products, not in dispatch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from app.cpu_kernels import load_kernel
+from app.kv_cache import PagedKVCache
+from app.packed_linear import PanelLinear
+from app.paged_attention import PagedDecodeStep
+
+# decoder layer classes whose forward is the one decode_step.c computes
+LLAMA_STYLE_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
+
+_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
+                ("mlp", "down_proj"))
+
+
+def _linear(layer, path):
+    return getattr(getattr(layer, path[0], None), path[1], None)
+
+
+def fused_decode_unavailable(model: torch.nn.Module, inplace_attention: bool) -> str | None:
+    """Why ``model``'s decode steps cannot run as one kernel call, or None when they can."""
+    if not inplace_attention:
+        return "decode attention does not read the pool in place"
+    cfg = model.config
+    layers = list(model.model.layers)
+    names = {type(layer).__name__ for layer in layers}
+    if not names <= LLAMA_STYLE_LAYERS:
+        return f"layers {sorted(names - LLAMA_STYLE_LAYERS)} are not Llama-style"
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"activation {getattr(cfg, 'hidden_act', None)!r} is not silu"
+    linears = [_linear(layer, p) for layer in layers for p in _PROJECTIONS]
+    linears.append(model.lm_head)
+    if not all(type(lin) is PanelLinear for lin in linears):
+        return "the linear layers are not panel-packed (linear_layout)"
+    if any(lin.panels.device.type != "cpu" for lin in linears):
+        return "the model is not on the CPU"
+    attn = layers[0].self_attn
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = attn.head_dim
+    if heads * head_dim != attn.q_proj.out_features or head_dim % 2:
+        return "the attention's shape is not heads x head_dim"
+    if any(n % 16 for n in (heads * head_dim, kv_heads * head_dim, cfg.intermediate_size)):
+        return "projection widths are not multiples of 16 (the panels cannot lie side by side)"
+    norms = [model.model.norm] + [n for layer in layers
+                                  for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if len({getattr(n, "variance_epsilon", None) for n in norms}) != 1:
+        return "the RMSNorms do not share one epsilon"
+    if len({layer.self_attn.scaling for layer in layers}) != 1:
+        return "the layers' attention scales differ"
+    return None
+
+
+def _side_by_side(linears: list[PanelLinear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One panel buffer for several products over the same input, the products' outputs
+    side by side; each layer's ``panels`` becomes a view of it. Their biases likewise (zeros
+    for a layer without), or None when none has one."""
+    whole = torch.cat([lin.panels for lin in linears])
+    start = 0
+    for lin in linears:
+        n = lin.panels.numel()
+        lin.panels = whole[start : start + n]
+        start += n
+    if all(lin._bias is None for lin in linears):
+        return whole, None
+    bias = torch.cat([lin._bias if lin._bias is not None
+                      else torch.zeros(lin.out_features) for lin in linears])
+    return whole, bias.float().contiguous()
+
+
+class FusedDecode:
+    """Decode steps of a Llama-style model as one call to ``decode_step.c``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._lib = load_kernel()
+        cfg = model.config
+        layers = list(model.model.layers)
+        attn = layers[0].self_attn
+        self.num_layers = len(layers)
+        self.hidden = cfg.hidden_size
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.inter = cfg.intermediate_size
+        self.eps = float(model.model.norm.variance_epsilon)
+        self.scale = float(attn.scaling)
+        self.final_norm = model.model.norm.weight.detach().float().contiguous()
+        self.lm_head = model.lm_head
+        self.vocab = model.lm_head.out_features
+        # per layer: what decode_step.c's pointer table holds, in its order (KV pool last)
+        keep: list[torch.Tensor | None] = []
+        for layer in layers:
+            qkv, qkv_bias = _side_by_side([layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                           layer.self_attn.v_proj])
+            gate_up, gate_up_bias = _side_by_side([layer.mlp.gate_proj, layer.mlp.up_proj])
+            o, down = layer.self_attn.o_proj, layer.mlp.down_proj
+            keep += [layer.input_layernorm.weight.detach().float().contiguous(), qkv, qkv_bias,
+                     o.panels, o._bias,
+                     layer.post_attention_layernorm.weight.detach().float().contiguous(),
+                     gate_up, gate_up_bias, down.panels, down._bias]
+        self._weights = keep  # held: the pointer table points into them
+        self._per_layer = int(self._lib.decode_step_layer_ptrs())
+        assert self._per_layer == len(keep) // self.num_layers + 2
+        self._table: ctypes.Array | None = None
+        self._table_cache: PagedKVCache | None = None
+
+    def _pointers(self, cache: PagedKVCache) -> ctypes.Array:
+        """The pointer table for ``cache``'s pool (built once per pool)."""
+        if self._table_cache is not cache:
+            per = len(self._weights) // self.num_layers
+            ptrs = []
+            for li in range(self.num_layers):
+                ptrs += [None if t is None else t.data_ptr()
+                         for t in self._weights[li * per : (li + 1) * per]]
+                pool = cache.layers[li]  # [2, slots, kv_heads, head_dim]
+                assert pool.is_contiguous() and pool.dtype == torch.float32
+                ptrs += [pool[0].data_ptr(), pool[1].data_ptr()]
+            self._table = (ctypes.c_void_p * len(ptrs))(*ptrs)
+            self._table_cache = cache
+        return self._table
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 cache: PagedKVCache, step: PagedDecodeStep) -> torch.Tensor:
+        """``hidden`` [B, H] (the embeddings; overwritten), ``cos``/``sin`` [B, head_dim] at
+        each row's position -> logits [B, V] float32. Each row's new key and value are
+        written into its slot of ``cache``."""
+        assert step.inplace and step.offsets is not None
+        bsz = hidden.shape[0]
+        hidden = hidden.float().contiguous()
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        logits = torch.empty((bsz, self.vocab), dtype=torch.float32)
+        (write,), (read,) = step.write_slots.values(), step.read_slots.values()
+        head_bias = self.lm_head._bias
+        rc = self._lib.decode_step(
+            hidden.data_ptr(), bsz, self.num_layers, self._pointers(cache), self.hidden,
+            self.heads, self.kv_heads, self.head_dim, self.inter, cos.data_ptr(),
+            sin.data_ptr(), self.eps, self.scale, write.data_ptr(), read.data_ptr(),
+            step.offsets.data_ptr(), self.final_norm.data_ptr(), self.lm_head.panels.data_ptr(),
+            None if head_bias is None else head_bias.data_ptr(), self.vocab,
+            logits.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"decode_step failed ({rc})")
+        return logits
