@@ -1,6 +1,7 @@
 """The engine's own CPU kernels (``app/csrc/``), built on first use: the matrix kernel of
-every linear layer (``panel_gemm.c``) and decode attention over the paged KV pool
-(``paged_attention.c``).
+every linear layer (``panel_gemm.c``), decode attention over the paged KV pool
+(``paged_attention.c``) and a Llama-style model's whole decode step over both
+(``decode_step.c``, ``app.fused_decode``).
 
 A decode step is a few hundred products of a handful of rows against weights that come from
 memory. MKL's GEMV streams this model's 576-wide weights at about half the rate one long GEMV

@@ -7,7 +7,9 @@ norm, LM head) so the arithmetic is the model's, while KV storage is the runner'
   and values come back as one contiguous ``[layers, 2, kv_heads, seq, head_dim]`` tensor.
 * ``decode``: one token for each running sequence, over the paged KV pool
   (``app.kv_cache``): each new key/value is written into its sequence's next slot and each
-  row attends only its own blocks (``app.paged_attention``).
+  row attends only its own blocks (``app.paged_attention``). A Llama-style model with
+  panel-packed linears runs the step's layers as one call to the fused kernel
+  (``app.fused_decode``) instead of its modules.
 * ``forward_mixed``: both in one pass (the colocated engine's mixed batch): the decode rows'
   tokens and prompt chunks as one sequence of tokens, so every weight is read once for all
   of them; each decode row attends its blocks as in ``decode``, each chunk its own earlier
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import threading
 
 import torch
@@ -40,6 +43,8 @@ from app.paged_attention import (
     PagedDecodeStep,
     inplace_attention_unavailable,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class _PrefillCollector:
@@ -126,6 +131,10 @@ class ModelRunner:
         reason = None if config.fused_decode else "turned off (fused_decode: false)"
         self.fused_reason = reason or fused_decode_unavailable(model, self.inplace_attention)
         self.fused = FusedDecode(model) if self.fused_reason is None else None
+        if self.fused is None:
+            logger.info("decode steps run through the model's modules: %s", self.fused_reason)
+        else:
+            logger.info("decode steps run as one call to the fused kernel (app.fused_decode)")
 
     def _layers_forward(self, hidden, position_ids, mask, cache,
                         **attention_kwargs) -> torch.Tensor:

@@ -7,9 +7,18 @@
  * per k, loads 16 weights once and uses them for every row: the weights are read from memory
  * once per product whatever the number of rows (rows are taken 48 at a time, and with more
  * rows than that the panels go in groups of ~128 KiB, each group kept in cache while every
- * block of rows passes through it). A one-row product (a lone stream's
- * decode step) reads four panels side by side, four streams from memory in flight instead of
- * one: it took a batch-1 step of SmolLM2 from about 82 to 69 ms here.
+ * block of rows passes through it). The rows a block of six leaves over (a decode batch of
+ * 1-5, 7-11, ...) go through tiles of one to three rows over several panels side by side:
+ * a lone stream's product reads four panels at once, four streams from memory in flight
+ * instead of one (it took a batch-1 step of SmolLM2 from about 82 to 69 ms here), and two
+ * leftover rows over two panels hold eight sums in flight, where alone on one panel their
+ * four could not hide the FMA's latency (two rows: 40-44 ms instead of 44-51 for the 30
+ * layers' products on one thread).
+ *
+ * At 8 rows on this project's machine (a 2-core AMD EPYC VM, ~2 GHz) the products are
+ * bound by arithmetic more than by memory: 6 rows x 16 columns reach about 32 G
+ * multiply-adds/s with the weights in cache, so the 30 layers' 135M weights times 8 rows
+ * take ~34 ms of FMAs where reading them takes ~28.
  *
  * Every output is one running sum over k in order (one FMA per k, then the bias), in every
  * path, so a row's result does not depend on which other rows share the product or on how
@@ -129,8 +138,26 @@ MICRO(6)
 typedef void (*micro_fn)(long, const float *, const float *, long, float *, long, const float *);
 static const micro_fn MICROS[MR + 1] = {0, micro1, micro2, micro3, micro4, micro5, micro6};
 
-/* One row times four panels at once: four weight streams in flight instead of one. */
-static void row4(long k, const float *pan, const float *x, float *y, const float *bias64) {
+/* Tiles of one to three rows times several panels side by side: with 8-12 sums in flight
+   the FMA's latency is hidden, where one or two rows alone on one panel hold too few and
+   such a pass cost about as much as a pass of six. A block of six leaves these rows over;
+   they go through the panels the block has just brought into cache. (The sums are named
+   one by one: as an array, the compiler kept them in memory.) */
+#define FMA_PAIR(A0, A1, B, W)                                     \
+    do {                                                           \
+        A0 = _mm256_fmadd_ps(B, _mm256_loadu_ps(W), A0);           \
+        A1 = _mm256_fmadd_ps(B, _mm256_loadu_ps((W) + 8), A1);     \
+    } while (0)
+#define STORE_PAIR(Y, A0, A1, BIAS)                                          \
+    do {                                                                     \
+        _mm256_storeu_ps(Y, _mm256_add_ps(A0, _mm256_loadu_ps(BIAS)));       \
+        _mm256_storeu_ps((Y) + 8, _mm256_add_ps(A1, _mm256_loadu_ps((BIAS) + 8))); \
+    } while (0)
+
+/* One row times four panels: four weight streams in flight (a lone stream's decode step). */
+static void tile1x4(long k, const float *pan, const float *x, long ldx, float *y, long ldy,
+                    const float *bias) {
+    (void)ldx, (void)ldy;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
     __m256 a3 = _mm256_setzero_ps(), a4 = _mm256_setzero_ps(), a5 = _mm256_setzero_ps();
     __m256 a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
@@ -138,65 +165,136 @@ static void row4(long k, const float *pan, const float *x, float *y, const float
     for (long kk = 0; kk < k; kk++) {
         long o = kk * NR;
         __m256 b = _mm256_broadcast_ss(x + kk);
-        a0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(p0 + o), a0);
-        a1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(p0 + o + 8), a1);
-        a2 = _mm256_fmadd_ps(b, _mm256_loadu_ps(p1 + o), a2);
-        a3 = _mm256_fmadd_ps(b, _mm256_loadu_ps(p1 + o + 8), a3);
-        a4 = _mm256_fmadd_ps(b, _mm256_loadu_ps(p2 + o), a4);
-        a5 = _mm256_fmadd_ps(b, _mm256_loadu_ps(p2 + o + 8), a5);
-        a6 = _mm256_fmadd_ps(b, _mm256_loadu_ps(p3 + o), a6);
-        a7 = _mm256_fmadd_ps(b, _mm256_loadu_ps(p3 + o + 8), a7);
+        FMA_PAIR(a0, a1, b, p0 + o);
+        FMA_PAIR(a2, a3, b, p1 + o);
+        FMA_PAIR(a4, a5, b, p2 + o);
+        FMA_PAIR(a6, a7, b, p3 + o);
     }
-    _mm256_storeu_ps(y, _mm256_add_ps(a0, _mm256_loadu_ps(bias64)));
-    _mm256_storeu_ps(y + 8, _mm256_add_ps(a1, _mm256_loadu_ps(bias64 + 8)));
-    _mm256_storeu_ps(y + 16, _mm256_add_ps(a2, _mm256_loadu_ps(bias64 + 16)));
-    _mm256_storeu_ps(y + 24, _mm256_add_ps(a3, _mm256_loadu_ps(bias64 + 24)));
-    _mm256_storeu_ps(y + 32, _mm256_add_ps(a4, _mm256_loadu_ps(bias64 + 32)));
-    _mm256_storeu_ps(y + 40, _mm256_add_ps(a5, _mm256_loadu_ps(bias64 + 40)));
-    _mm256_storeu_ps(y + 48, _mm256_add_ps(a6, _mm256_loadu_ps(bias64 + 48)));
-    _mm256_storeu_ps(y + 56, _mm256_add_ps(a7, _mm256_loadu_ps(bias64 + 56)));
+    STORE_PAIR(y, a0, a1, bias);
+    STORE_PAIR(y + NR, a2, a3, bias + NR);
+    STORE_PAIR(y + 2 * NR, a4, a5, bias + 2 * NR);
+    STORE_PAIR(y + 3 * NR, a6, a7, bias + 3 * NR);
+}
+
+/* Two rows times two panels. */
+static void tile2x2(long k, const float *pan, const float *x, long ldx, float *y, long ldy,
+                    const float *bias) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
+    __m256 a3 = _mm256_setzero_ps(), c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
+    __m256 c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
+    const float *p0 = pan, *p1 = pan + k * NR, *x1 = x + ldx;
+    for (long kk = 0; kk < k; kk++) {
+        long o = kk * NR;
+        __m256 w0 = _mm256_loadu_ps(p0 + o), w1 = _mm256_loadu_ps(p0 + o + 8);
+        __m256 w2 = _mm256_loadu_ps(p1 + o), w3 = _mm256_loadu_ps(p1 + o + 8);
+        __m256 b = _mm256_broadcast_ss(x + kk);
+        a0 = _mm256_fmadd_ps(b, w0, a0);
+        a1 = _mm256_fmadd_ps(b, w1, a1);
+        a2 = _mm256_fmadd_ps(b, w2, a2);
+        a3 = _mm256_fmadd_ps(b, w3, a3);
+        b = _mm256_broadcast_ss(x1 + kk);
+        c0 = _mm256_fmadd_ps(b, w0, c0);
+        c1 = _mm256_fmadd_ps(b, w1, c1);
+        c2 = _mm256_fmadd_ps(b, w2, c2);
+        c3 = _mm256_fmadd_ps(b, w3, c3);
+    }
+    STORE_PAIR(y, a0, a1, bias);
+    STORE_PAIR(y + NR, a2, a3, bias + NR);
+    STORE_PAIR(y + ldy, c0, c1, bias);
+    STORE_PAIR(y + ldy + NR, c2, c3, bias + NR);
+}
+
+/* Three rows times two panels (the weights read from cache once per row). */
+static void tile3x2(long k, const float *pan, const float *x, long ldx, float *y, long ldy,
+                    const float *bias) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
+    __m256 a3 = _mm256_setzero_ps(), c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
+    __m256 c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps(), e0 = _mm256_setzero_ps();
+    __m256 e1 = _mm256_setzero_ps(), e2 = _mm256_setzero_ps(), e3 = _mm256_setzero_ps();
+    const float *p0 = pan, *p1 = pan + k * NR, *x1 = x + ldx, *x2 = x + 2 * ldx;
+    for (long kk = 0; kk < k; kk++) {
+        long o = kk * NR;
+        __m256 b = _mm256_broadcast_ss(x + kk);
+        FMA_PAIR(a0, a1, b, p0 + o);
+        FMA_PAIR(a2, a3, b, p1 + o);
+        b = _mm256_broadcast_ss(x1 + kk);
+        FMA_PAIR(c0, c1, b, p0 + o);
+        FMA_PAIR(c2, c3, b, p1 + o);
+        b = _mm256_broadcast_ss(x2 + kk);
+        FMA_PAIR(e0, e1, b, p0 + o);
+        FMA_PAIR(e2, e3, b, p1 + o);
+    }
+    STORE_PAIR(y, a0, a1, bias);
+    STORE_PAIR(y + NR, a2, a3, bias + NR);
+    STORE_PAIR(y + ldy, c0, c1, bias);
+    STORE_PAIR(y + ldy + NR, c2, c3, bias + NR);
+    STORE_PAIR(y + 2 * ldy, e0, e1, bias);
+    STORE_PAIR(y + 2 * ldy + NR, e2, e3, bias + NR);
+}
+#undef FMA_PAIR
+#undef STORE_PAIR
+
+/* by leftover rows: the tile kernel and how many panels it takes (NULL: one panel at a time) */
+static const micro_fn TILES[MR] = {0, tile1x4, tile2x2, tile3x2, 0, 0};
+static const int TILE_PANELS[MR] = {1, 4, 2, 2, 1, 1};
+
+/* One panel, rows [m0, m0 + mr), through a tile when its last columns are padding. */
+static void panel_rows(int mr, long k, const float *pan, const float *x, float *y, long n,
+                       long q, const float *bias) {
+    float b16[NR], tile16[MR * NR];
+    long cols = n - q * NR < NR ? n - q * NR : NR;
+    for (long j = 0; j < NR; j++) b16[j] = (bias && j < cols) ? bias[q * NR + j] : 0.0f;
+    if (cols == NR) {
+        MICROS[mr](k, pan, x, k, y + q * NR, n, b16);
+        return;
+    }
+    MICROS[mr](k, pan, x, k, tile16, NR, b16);
+    for (int i = 0; i < mr; i++) memcpy(y + i * n + q * NR, tile16 + i * NR, cols * sizeof(float));
+}
+
+/* A decode-sized product (at most MB rows), panels [q0, q1): every whole block of six rows
+   through each panel, then the leftover rows through a tile over the panels just read. */
+static void run_panels_small(const float *x, long m, long k, const float *p, long n,
+                             const float *bias, float *y, long q0, long q1) {
+    long full = m / MR * MR;
+    int rest = (int)(m - full), width = TILE_PANELS[rest];
+    float bias_tile[4 * NR];
+    for (long q = q0; q < q1; q += width) {
+        long qe = q + width < q1 ? q + width : q1;
+        for (long qq = q; qq < qe; qq++)
+            for (long m0 = 0; m0 < full; m0 += MR)
+                panel_rows(MR, k, p + qq * k * NR, x + m0 * k, y + m0 * n, n, qq, bias);
+        if (rest == 0) continue;
+        if (TILES[rest] != NULL && qe - q == width && qe * NR <= n) {
+            for (long j = 0; j < width * NR; j++) bias_tile[j] = bias ? bias[q * NR + j] : 0.0f;
+            TILES[rest](k, p + q * k * NR, x + full * k, k, y + full * n + q * NR, n, bias_tile);
+        } else {
+            for (long qq = q; qq < qe; qq++)
+                panel_rows(rest, k, p + qq * k * NR, x + full * k, y + full * n, n, qq, bias);
+        }
+    }
 }
 
 /* Panels [q0, q1) of the product, every row. */
 static void run_panels(const float *x, long m, long k, const float *p, long n, const float *bias,
                        float *y, long q0, long q1) {
-    float tile[MR * NR];
-    float b16[NR];
-    if (m == 1) { /* whole groups of four panels, all columns real */
-        float b64[4 * NR];
-        while (q0 + 4 <= q1 && (q0 + 4) * NR <= n) {
-            for (long j = 0; j < 4 * NR; j++) b64[j] = bias ? bias[q0 * NR + j] : 0.0f;
-            row4(k, p + q0 * k * NR, x, y + q0 * NR, b64);
-            q0 += 4;
-        }
+    if (m <= MB) {
+        run_panels_small(x, m, k, p, n, bias, y, q0, q1);
+        return;
     }
     /* More rows than one block: panels in groups of about GROUP_BYTES, every block of rows
        through a group before the next, so each weight comes from memory once (the group
        stays in L2) and the inputs are what is read again (from cache). */
-    long group = m <= MB ? q1 - q0 : GROUP_BYTES / (k * NR * (long)sizeof(float));
+    long group = GROUP_BYTES / (k * NR * (long)sizeof(float));
     if (group < 1) group = 1;
     for (long g0 = q0; g0 < q1; g0 += group) {
         long g1 = g0 + group < q1 ? g0 + group : q1;
         for (long mb = 0; mb < m; mb += MB) {
             long me = mb + MB < m ? mb + MB : m;
-            for (long q = g0; q < g1; q++) {
-                const float *pan = p + q * k * NR;
-                long cols = n - q * NR < NR ? n - q * NR : NR;
-                for (long j = 0; j < NR; j++)
-                    b16[j] = (bias && j < cols) ? bias[q * NR + j] : 0.0f;
-                for (long m0 = mb; m0 < me; m0 += MR) {
-                    int mr = (int)(me - m0 < MR ? me - m0 : MR);
-                    const float *xr = x + m0 * k;
-                    if (cols == NR) {
-                        MICROS[mr](k, pan, xr, k, y + m0 * n + q * NR, n, b16);
-                    } else { /* the padded last panel: through a tile, then its real columns */
-                        MICROS[mr](k, pan, xr, k, tile, NR, b16);
-                        for (int i = 0; i < mr; i++)
-                            memcpy(y + (m0 + i) * n + q * NR, tile + i * NR,
-                                   cols * sizeof(float));
-                    }
-                }
-            }
+            for (long q = g0; q < g1; q++)
+                for (long m0 = mb; m0 < me; m0 += MR)
+                    panel_rows((int)(me - m0 < MR ? me - m0 : MR), k, p + q * k * NR,
+                               x + m0 * k, y + m0 * n, n, q, bias);
         }
     }
 }

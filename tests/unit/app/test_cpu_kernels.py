@@ -46,7 +46,7 @@ def test_products_equal_f_linear(n, k, bias, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 2, 5, 6, 7, 13, 48, 49, 130):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 48, 49, 130):
             x = torch.randn(rows, k)
             torch.testing.assert_close(panel(x), F.linear(x, linear.weight, linear.bias),
                                        rtol=1e-5, atol=1e-5)
@@ -69,14 +69,19 @@ def test_a_row_is_bit_for_bit_the_same_in_any_batch_and_on_any_threads():
         torch.set_num_threads(1)
         alone = [panel(batch[i:i + 1]) for i in range(batch.shape[0])]
         together = panel(batch)
+        # decode-sized batches: blocks of six rows and the rows they leave over (1-5)
+        small = {rows: panel(batch[:rows]) for rows in range(2, 14)}
         torch.set_num_threads(2)
         together_2 = panel(batch)
+        small_2 = {rows: panel(batch[:rows]) for rows in (3, 8, 11)}
         alone_2 = panel(batch[11:12])
     finally:
         torch.set_num_threads(before)
     for i, row in enumerate(alone):
         assert torch.equal(together[i:i + 1], row), i
         assert torch.equal(together_2[i:i + 1], row), i
+    for rows, out in [*small.items(), *small_2.items()]:
+        assert torch.equal(out, torch.cat(alone[:rows])), rows
     assert torch.equal(alone_2, alone[11])
 
 

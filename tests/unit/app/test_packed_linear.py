@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from app.config import EngineConfig
+from app.cpu_kernels import kernel_unavailable
 from app.engine_core import EngineCore
 from app.model_loader import fingerprint
 from app.packed_linear import PackedLinear, PanelLinear, pack_linears, packing_unavailable
@@ -95,6 +96,8 @@ async def test_smollm_on_the_default_layout_gives_the_plain_models_greedy_tokens
         "Water boils at")]
     expected = [hf_greedy(plain, p, 16) for p in prompts]
     core = EngineCore(EngineConfig(max_batch_size=8), model=smollm_model)
+    # panels where the kernel builds: then each step is one call to the fused kernel
+    assert (core.runner.fused is not None) is (kernel_unavailable() is None)
     outs, steps = await engine_greedy(core, prompts, 16)
     assert steps < 16 * len(prompts)  # the rows shared steps
     assert outs == expected

@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from app.config import EngineConfig
+from app.cpu_kernels import kernel_unavailable
 from app.decode import Decoder
 from app.engine_core import EngineCore
 from app.kv_cache import BlockAllocator, LayerSpan, PagedKVCache
 from app.kv_package import KVLayout
 from app.messages import FinishReason, PrefillRequest
+from app.packed_linear import pack_linears
 from app.paged_attention import (
     PagedCacheView,
     PagedDecodeStep,
@@ -23,7 +25,7 @@ from app.paged_attention import (
 )
 from app.sampling import SamplingParams
 from app.sequence import Sequence
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, make_tiny_model
 
 
 def test_allocator_hands_out_the_lowest_free_blocks_and_takes_them_back():
@@ -118,11 +120,20 @@ def _check_accounting(dec: Decoder) -> None:
     assert len(held) == len(set(held)) == dec.blocks.num_used  # no block shared or leaked
 
 
-def test_churn_keeps_every_sequence_exact_and_returns_every_block(tiny_model):
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.skipif(
+    kernel_unavailable() is not None, reason=f"{kernel_unavailable()}"))])
+def test_churn_keeps_every_sequence_exact_and_returns_every_block(tiny_model, fused):
     """Sequences join at different steps, leave at different lengths, some are cancelled:
-    each one's tokens equal decoding it alone; the pool is empty when idle."""
+    each one's tokens equal decoding it alone; the pool is empty when idle. ``fused``: the
+    same weights panel-packed, so steps run as one call to the fused kernel
+    (app.fused_decode)."""
     rng = random.Random(3)
-    core = _core(tiny_model)
+    model = tiny_model
+    if fused:
+        model = make_tiny_model()  # the fixture's weights, packed
+        pack_linears(model, layout="panels")
+    core = _core(model)
+    assert (core.runner.fused is not None) is fused
     dec = Decoder(core.runner, eos_token_ids=frozenset(), max_batch_size=5,
                   max_kv_tokens=1024, block_size=8)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 40))]
