@@ -143,6 +143,31 @@ def test_fit_linear_recovers_coefficients_and_clamps_negative_slopes():
     assert (falling.c1, falling.c2) == (0.0, 0.0) and falling.c0 == pytest.approx(2.5)
 
 
+def test_the_engine_profile_times_cold_prefills_never_a_cached_prompt(monkeypatch):
+    """Each timed prefill is of prompts not seen before, with no prefix cache: a repeat served
+    from the cache would time a near-empty pass (the planner models hits separately)."""
+    from app.config import EngineConfig
+    from app.engine_core import EngineCore
+    from app.prefill import Prefiller
+    from planner import profile
+    from tests.conftest import make_tiny_model
+
+    seen: list[tuple[int, ...]] = []
+    make_packages = Prefiller.make_packages
+
+    def recording(self, reqs):
+        assert self.prefix_cache is None
+        seen.extend(r.prompt_token_ids for r in reqs)
+        return make_packages(self, reqs)
+
+    monkeypatch.setattr(Prefiller, "make_packages", recording)
+    core = EngineCore(EngineConfig(prefix_cache_mb=64),
+                      model=make_tiny_model(max_position_embeddings=2048))
+    result = profile._time_passes(core, 1, repeats=2, quick=True)
+    assert len(result["prefill"]) > 1 and len(seen) > 2 * len(result["prefill"])
+    assert len(seen) == len(set(seen))
+
+
 def test_device_from_measurement_fits_passes_and_hop():
     engine = {
         "num_threads": 1, "model": "m", "kv_bytes_per_token": 1000,
