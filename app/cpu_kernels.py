@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 # torch first: it loads its own libgomp.so.1, which the kernel's DT_NEEDED then resolves to,
@@ -140,7 +141,10 @@ def load_kernel(cache_dir: Path | None = None) -> ctypes.CDLL:
             target = library_path(cache_dir or default_cache_dir())
             if not target.exists():
                 logger.info("building the CPU kernels into %s", target)
+                start = time.perf_counter()
                 _build(target)
+                logger.info("built the CPU kernels in %.1f s (once per machine: a restarted "
+                            "replica loads them from there)", time.perf_counter() - start)
             _lib = _bind(ctypes.CDLL(str(target)))
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             _failure = f"CPU kernels unavailable: {exc}"

@@ -36,6 +36,17 @@ def test_the_kernel_builds_and_is_cached(tmp_path):
     assert cpu_kernels.library_path(tmp_path).parent == tmp_path / "kernels"
 
 
+def test_a_fresh_cache_dir_builds_the_library_there_and_reports_the_build_time(
+        tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "_lib", None)  # as a new process would start
+    monkeypatch.setattr(cpu_kernels, "_failure", None)
+    with caplog.at_level("INFO", logger="app.cpu_kernels"):
+        lib = cpu_kernels.load_kernel(tmp_path)
+    assert cpu_kernels.library_path(tmp_path).is_file()
+    assert lib.panel_nr() == 16
+    assert any(r.getMessage().startswith("built the CPU kernels in ") for r in caplog.records)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("n", "k", "bias"), [(96, 64, True), (200, 77, False), (16, 576, True),
                                               (7, 33, True), (1040, 48, False)])
