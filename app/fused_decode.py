@@ -112,32 +112,30 @@ class FusedDecode:
         self.final_norm = model.model.norm.weight.detach().float().contiguous()
         self.lm_head = model.lm_head
         self.vocab = model.lm_head.out_features
-        # per layer: what decode_step.c's pointer table holds, in its order (KV pool last)
-        keep: list[torch.Tensor | None] = []
+        # per layer, what decode_step.c's pointer table holds, in its order, but the KV pool
+        # (its last two); held here: the table points into them
+        self._weights: list[list[torch.Tensor | None]] = []
         for layer in layers:
             qkv, qkv_bias = _side_by_side([layer.self_attn.q_proj, layer.self_attn.k_proj,
                                            layer.self_attn.v_proj])
             gate_up, gate_up_bias = _side_by_side([layer.mlp.gate_proj, layer.mlp.up_proj])
             o, down = layer.self_attn.o_proj, layer.mlp.down_proj
-            keep += [layer.input_layernorm.weight.detach().float().contiguous(), qkv, qkv_bias,
-                     o.panels, o._bias,
-                     layer.post_attention_layernorm.weight.detach().float().contiguous(),
-                     gate_up, gate_up_bias, down.panels, down._bias]
-        self._weights = keep  # held: the pointer table points into them
-        self._per_layer = int(self._lib.decode_step_layer_ptrs())
-        assert self._per_layer == len(keep) // self.num_layers + 2
+            self._weights.append([
+                layer.input_layernorm.weight.detach().float().contiguous(), qkv, qkv_bias,
+                o.panels, o._bias,
+                layer.post_attention_layernorm.weight.detach().float().contiguous(),
+                gate_up, gate_up_bias, down.panels, down._bias])
+        assert self._lib.decode_step_layer_ptrs() == len(self._weights[0]) + 2
         self._table: ctypes.Array | None = None
         self._table_cache: PagedKVCache | None = None
 
     def _pointers(self, cache: PagedKVCache) -> ctypes.Array:
         """The pointer table for ``cache``'s pool (built once per pool)."""
         if self._table_cache is not cache:
-            per = len(self._weights) // self.num_layers
             ptrs = []
-            for li in range(self.num_layers):
-                ptrs += [None if t is None else t.data_ptr()
-                         for t in self._weights[li * per : (li + 1) * per]]
-                pool = cache.layers[li]  # [2, slots, kv_heads, head_dim]
+            for weights, pool in zip(self._weights, cache.layers, strict=True):
+                ptrs += [None if t is None else t.data_ptr() for t in weights]
+                # pool: [2, slots, kv_heads, head_dim]
                 assert pool.is_contiguous() and pool.dtype == torch.float32
                 ptrs += [pool[0].data_ptr(), pool[1].data_ptr()]
             self._table = (ctypes.c_void_p * len(ptrs))(*ptrs)
