@@ -16,7 +16,9 @@ The decode attention reads each row's keys and values in place from its blocks
 (``app.paged_attention``), where torch needed a gathered copy per layer and an SDPA call that
 costs about 0.35 ms for 8 rows of 64 positions.
 
-Both are plain C with AVX2 and FMA intrinsics, compiled here with the machine's C compiler
+Both are plain C with AVX2 and FMA intrinsics (the panel kernel also has AVX-512 tiles,
+chosen at run time where the CPU has AVX-512: products of four rows or more, a prefill's
+included, run about 1.5-1.9x faster on a Zen 5 core, bit for bit the same), compiled here with the machine's C compiler
 (``$CC``, else ``cc``, ``gcc`` or ``clang``) into ``<cache_dir>/kernels/`` under a name that
 hashes the source and flags, so a replica that restarts loads the built library. Where the
 CPU lacks AVX2/FMA, there is no compiler, or the build fails, :func:`kernel_unavailable` says
@@ -111,6 +113,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.panel_floats.argtypes = [size, size]
     lib.panel_pack.restype = None
     lib.panel_pack.argtypes = [ptr, size, size, size, ptr]
+    lib.panel_has_avx512.restype = ctypes.c_int
+    lib.panel_has_avx512.argtypes = []
+    lib.panel_set_avx512.restype = ctypes.c_int
+    lib.panel_set_avx512.argtypes = [ctypes.c_int]
     lib.panel_linear.restype = None
     lib.panel_linear.argtypes = [ptr, size, size, ptr, size, ptr, ptr, ctypes.c_int]
     lib.paged_decode_attention.restype = ctypes.c_int

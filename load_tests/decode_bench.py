@@ -5,7 +5,7 @@ kernel's layout, ``app.packed_linear``: the engine's own panel kernel where it b
 oneDNN's with ``+packed+onednn``; ``+gather`` for decode attention through a gathered copy and
 SDPA instead of the in-place kernel, ``app.paged_attention``; ``+unfused`` for a decode step
 through the model's modules instead of one call to the fused kernel, ``app.fused_decode``;
-side by side, interleaved in rounds so that a busy spell of a shared machine hits every
+``+avx2`` for the panel kernel kept to its AVX2 tiles on a CPU that has AVX-512; side by side, interleaved in rounds so that a busy spell of a shared machine hits every
 figure alike):
 
 * the floor: one GEMV (``[1, K] @ [K, N]``) over as many bytes as the model's weights, the
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from app import cpu_kernels
 from app.config import DEFAULT_MODEL, EngineConfig
 from app.decode import Decoder
 from app.engine_core import EngineCore
@@ -128,7 +129,7 @@ class Variant:
 
     def __init__(self, name: str, threads: int, prefill: bool = True) -> None:
         dtype, *flags = name.split("+")
-        unknown = set(flags) - {"packed", "onednn", "gather", "unfused"}
+        unknown = set(flags) - {"packed", "onednn", "gather", "unfused", "avx2"}
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
         self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype,
@@ -138,6 +139,7 @@ class Variant:
                                             else "auto",
                                             cpu_attention_kernel="gather" not in flags,
                                             fused_decode="unfused" not in flags))
+        self.avx512 = "avx2" not in flags
         self.weight_bytes = step_weight_bytes(self.core.model)
         self.floor = Floor(self.weight_bytes, self.core.runner.dtype)
         self.b1 = Batch(self.core, [CONTEXT], seed=1)
@@ -148,7 +150,13 @@ class Variant:
         if prefill:
             self.rows["prefill1024_ms"] = []
 
+    def activate(self) -> None:
+        """The panel kernel's vector path is per process: set this variant's before it runs."""
+        if cpu_kernels.kernel_unavailable() is None:
+            cpu_kernels.load_kernel().panel_set_avx512(int(self.avx512))
+
     def round(self, steps: int) -> None:
+        self.activate()
         self.rows["floor_ms"].append(_median_ms(self.floor, steps))
         self.rows["step1_ms"].append(_median_ms(self.b1.step, steps))
         self.rows["step8_ms"].append(_median_ms(self.b8.step, steps))
@@ -160,6 +168,7 @@ class Variant:
         out = {k: statistics.median(v) for k, v in self.rows.items()}
         out.update(weight_mb=self.weight_bytes / 1e6, kv_efficiency_batch8=self.b8.kv_efficiency())
         if join:
+            self.activate()
             out.update(join_gap(self.core, steps))
         out["step1_over_floor"] = out["step1_ms"] / out["floor_ms"]
         out["step8_over_step1"] = out["step8_ms"] / out["step1_ms"]
@@ -185,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="float32+packed,float32,bfloat16",
-                        help="comma-separated dtype[+packed[+onednn]][+gather][+unfused]")
+                        help="comma-separated dtype[+packed[+onednn]][+gather][+unfused]"
+                             "[+avx2]")
     parser.add_argument("--context", type=int, default=CONTEXT,
                         help="tokens each batch row holds (default 64)")
     parser.add_argument("--threads", type=int, default=1)

@@ -200,3 +200,34 @@ def test_in_place_attention_equals_sdpa_over_each_rows_own_slots(head_dim, threa
         v = pool[1, slots_b].transpose(0, 1).repeat_interleave(group, 0)
         ref = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=0.125)[:, 0]
         torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels.load_kernel().panel_has_avx512(),
+                    reason="this CPU has no AVX-512: the products take the AVX2 path only")
+@pytest.mark.parametrize("threads", [1, 2])
+@torch.inference_mode()
+def test_avx512_and_avx2_paths_give_the_same_bits(threads):
+    """Where the CPU has AVX-512, products of four rows or more go through zmm tiles of up to
+    12 rows x 2 panels: every row bit for bit what the AVX2 path gives, so a row's result
+    still does not depend on the batch it rides in or on the machine's vector width.
+    Shapes cover an odd panel count (a lone panel at the end), padded last panels and the
+    grouped prefill path (more than 48 rows)."""
+    lib = cpu_kernels.load_kernel()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k, bias in [(1536, 576, True), (200, 77, False), (7, 33, True),
+                           (1040, 48, False), (80, 1536, True)]:
+            panel = PanelLinear(_linear(n, k, bias, seed=n))
+            for rows in (1, 3, 4, 5, 8, 11, 12, 13, 25, 48, 49, 130):
+                x = torch.randn(rows, k)
+                assert lib.panel_set_avx512(0) == 0
+                avx2 = panel(x)
+                assert lib.panel_set_avx512(1) == 1
+                avx512 = panel(x)
+                assert torch.equal(avx2, avx512), (n, k, rows)
+                torch.testing.assert_close(avx512, F.linear(x, panel.weight, panel.bias),
+                                           rtol=1e-5, atol=1e-5)
+    finally:
+        lib.panel_set_avx512(1)
+        torch.set_num_threads(before)
