@@ -94,7 +94,9 @@ class EngineConfig:
     # use), "onednn" (oneDNN's blocked layout for 2+ rows), "auto" (panels where it builds)
     linear_layout: str = "auto"
     # CPU, float32 KV: decode attention reads each row's keys and values where they lie in
-    # the paged pool (the engine's kernel, app/csrc/paged_attention.c); False: gather + SDPA
+    # the paged pool (the engine's kernel, app/csrc/paged_attention.c), and on an AVX-512 CPU
+    # prefill passes and prompt chunks attend through app/csrc/prefill_attention.c;
+    # False: gather + SDPA, and the model's SDPA for prefill
     cpu_attention_kernel: bool = True
     # a Llama-style model with panel-packed linears and in-place attention: each decode step's
     # layers run as one call to the engine's C kernel (app.fused_decode); False: through the

@@ -48,7 +48,8 @@ from app.config import default_cache_dir
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "paged_attention.c", "decode_step.c"))
+SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "paged_attention.c", "decode_step.c",
+                                          "prefill_attention.c"))
 HEADERS = (_CSRC / "vec_math.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 BUILD_TIMEOUT_S = 300.0
@@ -122,6 +123,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, size, size, size, ptr, ptr, size,
                                            ctypes.c_float, ptr, ctypes.c_int]
+    lib.prefill_attention.restype = ctypes.c_int
+    lib.prefill_attention.argtypes = [*([ptr, size, size, size] * 4), size, size, size, size, size,
+                                      size, ptr, size, ctypes.c_float, ctypes.c_int]
     lib.decode_step_layer_ptrs.restype = size
     lib.decode_step_layer_ptrs.argtypes = []
     lib.decode_step.restype = ctypes.c_int

@@ -41,7 +41,9 @@ from app.paged_attention import (
     MixedStep,
     PagedCacheView,
     PagedDecodeStep,
+    PrefillSpan,
     inplace_attention_unavailable,
+    prefill_attention_unavailable,
 )
 
 logger = logging.getLogger(__name__)
@@ -127,6 +129,14 @@ class ModelRunner:
             self.dtype, [span.device for span in self.spans], self.shape.head_dim,
             config.resolved_cache_dir)
         self.inplace_attention = self.inplace_reason is None
+        # prefill passes (and mixed passes' chunks) attend through the engine's AVX-512 kernel
+        self.prefill_attention_reason = reason or prefill_attention_unavailable(
+            self.dtype, [span.device for span in self.spans], self.shape.head_dim,
+            config.resolved_cache_dir)
+        self.prefill_kernel = self.prefill_attention_reason is None
+        if not self.prefill_kernel:
+            logger.info("prefill attention runs in the model's SDPA: %s",
+                        self.prefill_attention_reason)
         # and the whole decode step in one kernel call where the model is one it computes
         reason = None if config.fused_decode else "turned off (fused_decode: false)"
         self.fused_reason = reason or fused_decode_unavailable(model, self.inplace_attention)
@@ -198,7 +208,8 @@ class ModelRunner:
             collector.past = self._padded_past(past, starts)
         with self.lock:
             hidden = self.embed_tokens(ids)  # [B, S, H]
-            hidden = self._layers_forward(hidden, positions, mask, collector)
+            span = {"prefill_span": PrefillSpan.build(starts)} if self.prefill_kernel else {}
+            hidden = self._layers_forward(hidden, positions, mask, collector, **span)
             last = torch.tensor(lens, device=hidden.device) - 1
             logits = self._logits(hidden[torch.arange(bsz, device=hidden.device), last])
             kvs = []
@@ -297,7 +308,8 @@ class ModelRunner:
                                  for i in range(n)]
         ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, T]
         pos_t = torch.tensor([pos], dtype=torch.long, device=self.device)
-        step = MixedStep.build(cache, tables, positions, lens, starts)
+        step = MixedStep.build(cache, tables, positions, lens, starts,
+                               prefill_kernel=self.prefill_kernel)
         # each chunk's past per layer, in the model's dtype on the layer's device
         layer_past = [
             None if kv is None else [

@@ -125,6 +125,20 @@ class PagedCacheView:
 
 
 @dataclass(slots=True)
+class PrefillSpan:
+    """What a prefill pass's layers share when its attention runs in the engine's kernel
+    (``app/csrc/prefill_attention.c``): the keys are a padded past of ``pmax`` positions
+    (row ``i``'s first ``starts[i]`` real) followed by the pass's own, causally."""
+
+    starts: torch.Tensor  # [B] int64
+    pmax: int
+
+    @classmethod
+    def build(cls, starts: list[int]) -> PrefillSpan:
+        return cls(torch.tensor(starts, dtype=torch.long), max(starts, default=0))
+
+
+@dataclass(slots=True)
 class MixedStep:
     """What every layer of one mixed pass shares: the pass is one sequence of tokens, first
     one token for each of ``rows`` decode rows (``decode``: their paged step), then prompt
@@ -139,10 +153,13 @@ class MixedStep:
     # the layer in progress: (decode keys, values) gathered from the pool, and per chunk its
     # (keys, values) over past + chunk; set by MixedCacheView.update, read by the attention
     current: tuple | None = None
+    # the chunks attend through the engine's prefill attention kernel (else the model's SDPA)
+    prefill_kernel: bool = False
 
     @classmethod
     def build(cls, cache: PagedKVCache, tables: list[list[int]], positions: list[int],
-              chunk_lens: list[int], past_lens: list[int]) -> MixedStep:
+              chunk_lens: list[int], past_lens: list[int],
+              prefill_kernel: bool = False) -> MixedStep:
         masks: list[torch.Tensor | None] = []
         for n, p in zip(chunk_lens, past_lens, strict=True):
             if p == 0:
@@ -154,7 +171,8 @@ class MixedStep:
         return cls(
             rows=len(tables),
             decode=PagedDecodeStep.build(cache, tables, positions) if tables else None,
-            chunk_lens=chunk_lens, past_lens=past_lens, masks=masks)
+            chunk_lens=chunk_lens, past_lens=past_lens, masks=masks,
+            prefill_kernel=prefill_kernel)
 
 
 class MixedCacheView:
@@ -211,6 +229,53 @@ def inplace_attention_unavailable(cache_dtype: torch.dtype, devices, head_dim: i
     if head_dim % 8:
         return f"head_dim {head_dim} is not a multiple of 8"
     return kernel_unavailable(cache_dir)
+
+
+def prefill_attention_unavailable(dtype: torch.dtype, devices, head_dim: int,
+                                  cache_dir=None) -> str | None:
+    """Why prefill passes (and the chunks of mixed passes) cannot attend through the engine's
+    kernel (``app/csrc/prefill_attention.c``, AVX-512), or None when they can."""
+    if any(torch.device(d).type != "cpu" for d in devices):
+        return "the model is not on the CPU"
+    if dtype != torch.float32:
+        return "the model is not float32"
+    if head_dim % 16 or head_dim > 256:
+        return f"head_dim {head_dim} is not a multiple of 16 up to 256"
+    reason = kernel_unavailable(cache_dir)
+    if reason is None and not load_kernel().panel_has_avx512():
+        reason = "the CPU has no AVX-512"
+    return reason
+
+
+def _kernel_serves(query, key, kwargs) -> bool:
+    """A pass the prefill kernel computes as the model's SDPA would: float32 on the CPU, no
+    attention window shorter than the keys, no logit soft-capping."""
+    window = kwargs.get("sliding_window")
+    return (query.dtype == torch.float32 and key.dtype == torch.float32
+            and query.device.type == "cpu" and key.device.type == "cpu"
+            and (window is None or window >= key.shape[2])
+            and kwargs.get("softcap") is None)
+
+
+def _kernel_prefill_attention(query, key, value, starts: torch.Tensor, pmax: int, scaling):
+    """``query`` [B, heads, S, hd] over ``key``/``value`` [B, kv_heads, pmax + S, hd] (row
+    ``i`` sees its first ``starts[i]`` positions and, causally, the last S) -> the attention
+    output [B, S, heads, hd], the layout ``sdpa_attention_forward`` returns."""
+    bsz, heads, seq, head_dim = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    out = torch.empty((bsz, seq, heads, head_dim), dtype=torch.float32)
+    rc = load_kernel().prefill_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
+        k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+        v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
+        out.data_ptr(), out.stride(0), out.stride(2), out.stride(1),
+        bsz, heads, kv_heads, seq, total, head_dim, starts.data_ptr(), pmax,
+        head_dim ** -0.5 if scaling is None else float(scaling), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"prefill_attention failed ({rc}): batch {bsz}, heads {heads}/"
+                           f"{kv_heads}, {seq} queries over {total} keys, head_dim {head_dim}")
+    return out
 
 
 def _inplace_attention(query, keys, values, step: PagedDecodeStep, scaling):
@@ -274,10 +339,16 @@ def _mixed_attention(module, query, step: MixedStep, scaling, dropout, kwargs):
         outs.append(out.reshape(1, rows, heads, head_dim))
     start = rows
     for i, ((k, v), n) in enumerate(zip(chunk_kv, step.chunk_lens, strict=True)):
+        q = query[:, :, start : start + n]
+        if step.prefill_kernel and _kernel_serves(q, k, kwargs):
+            p = step.past_lens[i]
+            outs.append(_kernel_prefill_attention(q, k, v, torch.tensor([p]), p, scaling))
+            start += n
+            continue
         mask = step.masks[i]
         if mask is not None and mask.device != query.device:
             mask = step.masks[i] = mask.to(query.device)  # moved once per device change
-        out, _ = sdpa_attention_forward(module, query[:, :, start : start + n], k, v, mask,
+        out, _ = sdpa_attention_forward(module, q, k, v, mask,
                                         scaling=scaling, dropout=dropout, **kwargs)
         outs.append(out)  # [1, n, heads, hd]
         start += n
@@ -286,11 +357,16 @@ def _mixed_attention(module, query, step: MixedStep, scaling, dropout, kwargs):
 
 def paged_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
                     paged_step: PagedDecodeStep | None = None,
-                    mixed_step: MixedStep | None = None, **kwargs):
-    """The model's SDPA attention, except in a decode step given a :class:`PagedDecodeStep`
-    and in a mixed pass given a :class:`MixedStep`."""
+                    mixed_step: MixedStep | None = None,
+                    prefill_span: PrefillSpan | None = None, **kwargs):
+    """The model's SDPA attention, except in a decode step given a :class:`PagedDecodeStep`,
+    in a mixed pass given a :class:`MixedStep`, and in a prefill pass given a
+    :class:`PrefillSpan` (the engine's prefill kernel)."""
     if mixed_step is not None:
         return _mixed_attention(module, query, mixed_step, scaling, dropout, kwargs)
+    if prefill_span is not None and _kernel_serves(query, key, kwargs):
+        return _kernel_prefill_attention(query, key, value, prefill_span.starts,
+                                         prefill_span.pmax, scaling), None
     if paged_step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)

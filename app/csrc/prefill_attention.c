@@ -1,0 +1,235 @@
+/* Prefill attention (a prompt, or a chunk of one, attending causally to itself and to the
+ * positions before it), float32, AVX-512: the part of a long prompt's prefill the linear
+ * layers no longer dominate (a 1,024-token prefill of SmolLM2 spent about a third of its
+ * time in torch's CPU flash attention, whose blocks go through a BLAS that runs only AVX2
+ * code on this project's AMD machines).
+ *
+ * Row b of the batch, query position i (0 <= i < S) sees the keys j with
+ *     j < starts[b]                (its own cached or earlier-chunk positions)
+ *  or pmax <= j <= pmax + i        (the pass's own tokens, causally),
+ * where T = pmax + S keys are laid out per row: a padded past of pmax positions (row b's
+ * first starts[b] real), then the S new ones. With no past, starts = 0 and pmax = 0: plain
+ * causal attention. Grouped-query attention: query head h reads KV head h / (H / KVH).
+ *
+ * Per (row, KV head) the keys are first copied into panels of 16 positions, [T/16][D][16],
+ * so that one zmm register holds a key dimension of 16 positions. Then per (row, query head,
+ * block of up to 12 query positions), panel by panel over the visible keys:
+ *   scores [12][16]: per key dimension d one load of the panel and one FMA per query row
+ *                    (12 sums in registers, as the panel GEMM's tiles);
+ *   an online softmax per query row (running max and sum, the output rescaled when the
+ *                    max grows), masked lanes set to exactly zero;
+ *   output [12][D] += p [12][16] @ V [16][D], the row's D sums in registers, over the
+ *                    keys the row sees only (a key it does not see is never read).
+ * Query blocks are shared out over an OpenMP team (torch's pool, as in panel_gemm.c), in
+ * dynamic order: under the causal mask later blocks hold more work.
+ *
+ * Strides are in floats, for the batch, the head and the position; the head dimension is
+ * contiguous. D must be a multiple of 16 and at most 256.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KP 16   /* key positions per panel: one zmm */
+#define QB 12   /* query positions per block */
+#define DMAX 256
+
+int panel_has_avx512(void);
+
+/* exp of 16 floats (the AVX2 exp8 of vec_math.h, in zmm): Cephes' expf. */
+static inline __attribute__((always_inline, target("avx512f"))) __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
+    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    __m512 xx = _mm512_mul_ps(x, x);
+    y = _mm512_fmadd_ps(y, xx, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx),
+                                                   _mm512_set1_epi32(0x7f)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* Keys [T][D] (position stride ks) into panels [ceil(T/16)][D][16], zero padded. */
+static void pack_keys(const float *k, long ks, long t, long d, float *kt) {
+    long panels = (t + KP - 1) / KP;
+    for (long p = 0; p < panels; p++) {
+        float *dst = kt + p * d * KP;
+        for (long j = 0; j < KP; j++) {
+            long pos = p * KP + j;
+            if (pos < t) {
+                const float *src = k + pos * ks;
+                for (long dd = 0; dd < d; dd++) dst[dd * KP + j] = src[dd];
+            } else {
+                for (long dd = 0; dd < d; dd++) dst[dd * KP + j] = 0.0f;
+            }
+        }
+    }
+}
+
+/* scores[r][0..16) = q_r . keys of one panel, for mr (1..12) query rows (stride qs). */
+#define SC_DECL(i) __m512 s##i = _mm512_setzero_ps()
+#define SC_FMA(i) if (mr > i) s##i = _mm512_fmadd_ps(_mm512_set1_ps(q[(i) * qs + dd]), w, s##i);
+#define SC_STORE(i) if (mr > i) _mm512_storeu_ps(scores + (i) * KP, s##i);
+static inline __attribute__((always_inline, target("avx512f"))) void score_tile(
+    int mr, const float *q, long qs, const float *panel, long d, float *scores) {
+    SC_DECL(0); SC_DECL(1); SC_DECL(2); SC_DECL(3); SC_DECL(4); SC_DECL(5);
+    SC_DECL(6); SC_DECL(7); SC_DECL(8); SC_DECL(9); SC_DECL(10); SC_DECL(11);
+    for (long dd = 0; dd < d; dd++) {
+        __m512 w = _mm512_loadu_ps(panel + dd * KP);
+        SC_FMA(0) SC_FMA(1) SC_FMA(2) SC_FMA(3) SC_FMA(4) SC_FMA(5)
+        SC_FMA(6) SC_FMA(7) SC_FMA(8) SC_FMA(9) SC_FMA(10) SC_FMA(11)
+    }
+    SC_STORE(0) SC_STORE(1) SC_STORE(2) SC_STORE(3) SC_STORE(4) SC_STORE(5)
+    SC_STORE(6) SC_STORE(7) SC_STORE(8) SC_STORE(9) SC_STORE(10) SC_STORE(11)
+}
+#undef SC_DECL
+#undef SC_FMA
+#undef SC_STORE
+
+#define SCORE(m)                                                                          \
+    static __attribute__((target("avx512f"))) void score##m(const float *q, long qs,       \
+                                                            const float *panel, long d,    \
+                                                            float *scores) {               \
+        score_tile(m, q, qs, panel, d, scores);                                           \
+    }
+SCORE(1) SCORE(2) SCORE(3) SCORE(4) SCORE(5) SCORE(6)
+SCORE(7) SCORE(8) SCORE(9) SCORE(10) SCORE(11) SCORE(12)
+#undef SCORE
+typedef void (*score_fn)(const float *, long, const float *, long, float *);
+static const score_fn SCORES[QB + 1] = {0, score1, score2, score3, score4, score5, score6,
+                                        score7, score8, score9, score10, score11, score12};
+
+/* Lanes of panel p (positions 16p..16p+15) that query i of a row sees. */
+static inline __mmask16 visible(long p, long i, long start, long pmax, long t) {
+    long lo = p * KP, hi = lo + KP; /* positions [lo, hi) */
+    if (hi <= t && (hi <= start || (lo >= pmax && hi - 1 <= pmax + i))) return 0xFFFF;
+    if (lo >= start && (hi <= pmax || lo > pmax + i)) return 0;
+    __mmask16 m = 0;
+    for (long j = 0; j < KP; j++) {
+        long pos = p * KP + j;
+        if (pos < t && (pos < start || (pos >= pmax && pos <= pmax + i))) m |= (__mmask16)1 << j;
+    }
+    return m;
+}
+
+/* One block: query positions [i0, i0 + mr) of one row and head. */
+static __attribute__((target("avx512f"))) void attend_block(
+    int mr, long i0, const float *q, long qs, const float *kt, const float *v, long vs,
+    float *out, long os, long d, long t, long start, long pmax, float scale) {
+    float scores[QB * KP] __attribute__((aligned(64)));
+    float acc[QB * DMAX] __attribute__((aligned(64)));
+    float top[QB], total[QB];
+    long dv = d / 16;
+    for (int r = 0; r < mr; r++) {
+        top[r] = -INFINITY;
+        total[r] = 0.0f;
+        memset(acc + r * DMAX, 0, d * sizeof(float));
+    }
+    long last = pmax + i0 + mr - 1; /* the furthest key any row of the block sees */
+    long panels = last / KP + 1;
+    __m512 vscale = _mm512_set1_ps(scale);
+    for (long p = 0; p < panels; p++) {
+        /* the padded past between a row's own past and the new tokens: skip whole panels */
+        if (p * KP >= start && (p + 1) * KP <= pmax) continue;
+        SCORES[mr](q, qs, kt + p * d * KP, d, scores);
+        const float *vp = v + p * KP * vs;
+        for (int r = 0; r < mr; r++) {
+            __mmask16 m = visible(p, i0 + r, start, pmax, t);
+            if (m == 0) continue;
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scores + r * KP), vscale);
+            float blk = _mm512_mask_reduce_max_ps(m, s);
+            float new_top = blk > top[r] ? blk : top[r];
+            float alpha = top[r] == -INFINITY ? 0.0f : expf(top[r] - new_top);
+            __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_top))));
+            total[r] = total[r] * alpha + _mm512_reduce_add_ps(e);
+            top[r] = new_top;
+            float pr[KP] __attribute__((aligned(64)));
+            _mm512_store_ps(pr, e);
+            float *o = acc + r * DMAX;
+            __m512 va = _mm512_set1_ps(alpha);
+            if (dv == 4) {
+                __m512 o0 = _mm512_mul_ps(_mm512_load_ps(o), va);
+                __m512 o1 = _mm512_mul_ps(_mm512_load_ps(o + 16), va);
+                __m512 o2 = _mm512_mul_ps(_mm512_load_ps(o + 32), va);
+                __m512 o3 = _mm512_mul_ps(_mm512_load_ps(o + 48), va);
+                for (unsigned bits = m; bits; bits &= bits - 1) { /* visible keys only */
+                    long j = __builtin_ctz(bits);
+                    __m512 b = _mm512_set1_ps(pr[j]);
+                    const float *vr = vp + j * vs;
+                    o0 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vr), o0);
+                    o1 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vr + 16), o1);
+                    o2 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vr + 32), o2);
+                    o3 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vr + 48), o3);
+                }
+                _mm512_store_ps(o, o0);
+                _mm512_store_ps(o + 16, o1);
+                _mm512_store_ps(o + 32, o2);
+                _mm512_store_ps(o + 48, o3);
+            } else {
+                for (long c = 0; c < dv; c++)
+                    _mm512_store_ps(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + 16 * c), va));
+                for (unsigned bits = m; bits; bits &= bits - 1) {
+                    long j = __builtin_ctz(bits);
+                    __m512 b = _mm512_set1_ps(pr[j]);
+                    const float *vr = vp + j * vs;
+                    for (long c = 0; c < dv; c++)
+                        _mm512_store_ps(o + 16 * c,
+                                        _mm512_fmadd_ps(b, _mm512_loadu_ps(vr + 16 * c),
+                                                        _mm512_load_ps(o + 16 * c)));
+                }
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        float *dst = out + r * os;
+        __m512 inv = _mm512_set1_ps(total[r] > 0.0f ? 1.0f / total[r] : 0.0f);
+        for (long c = 0; c < dv; c++)
+            _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + r * DMAX + 16 * c),
+                                                         inv));
+    }
+}
+
+/* Returns 0, or -1 when this CPU or these shapes are not ones the kernel serves (the caller
+   then takes torch's attention), or -2 when scratch memory could not be had. */
+int prefill_attention(const float *q, long qsb, long qsh, long qss,
+                      const float *k, long ksb, long ksh, long kss,
+                      const float *v, long vsb, long vsh, long vss,
+                      float *out, long osb, long osh, long oss,
+                      long batch, long heads, long kv_heads, long s, long t, long d,
+                      const long *starts, long pmax, float scale, int threads) {
+    if (!panel_has_avx512() || d % 16 != 0 || d > DMAX || heads % kv_heads != 0 || t != pmax + s)
+        return -1;
+    long group = heads / kv_heads, tp = (t + KP - 1) / KP;
+    long per = tp * d * KP;
+    float *kt = aligned_alloc(64, (size_t)(batch * kv_heads * per) * sizeof(float) + 64);
+    if (kt == NULL) return -2;
+    long pairs = batch * kv_heads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long bg = 0; bg < pairs; bg++) {
+        long b = bg / kv_heads, g = bg % kv_heads;
+        pack_keys(k + b * ksb + g * ksh, kss, t, d, kt + bg * per);
+    }
+    long blocks = (s + QB - 1) / QB, tasks = batch * heads * blocks;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long task = tasks - 1; task >= 0; task--) { /* longest (last) blocks first */
+        long blk = task % blocks, bh = task / blocks;
+        long b = bh / heads, h = bh % heads, g = h / group;
+        long i0 = blk * QB;
+        int mr = (int)(s - i0 < QB ? s - i0 : QB);
+        attend_block(mr, i0, q + b * qsb + h * qsh + i0 * qss, qss,
+                     kt + (b * kv_heads + g) * per, v + b * vsb + g * vsh, vss,
+                     out + b * osb + h * osh + i0 * oss, oss, d, t, starts[b], pmax, scale);
+    }
+    free(kt);
+    return 0;
+}
