@@ -66,6 +66,9 @@ class EngineConfig:
     device_map: str | None = None  # one of DEVICE_MAPS; None: the whole model on `device`
     num_gpus: int = 1  # GPUs a device_map may use (a Ray replica sees exactly its own)
     num_threads: int | None = None  # None: leave torch's default
+    # a prefill pass may take up to this many threads while the rest of the machine leaves
+    # cores idle (app.idle_cores; for phases that share one machine's cores); None: num_threads
+    prefill_max_threads: int | None = None
     max_model_len: int | None = None  # None: the model's own context length
     max_batch_size: int = 16
     max_kv_tokens: int = 65536
@@ -125,6 +128,8 @@ class EngineConfig:
                 )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.prefill_max_threads is not None and self.prefill_max_threads < 1:
+            raise ValueError(f"prefill_max_threads must be >= 1, got {self.prefill_max_threads}")
         for name in ("max_batch_size", "max_kv_tokens", "max_waiting", "prefill_token_budget",
                      "prefill_max_batch_size", "prefill_chunk_tokens"):
             if getattr(self, name) < 1:

@@ -16,10 +16,12 @@ The decode attention reads each row's keys and values in place from its blocks
 (``app.paged_attention``), where torch needed a gathered copy per layer and an SDPA call that
 costs about 0.35 ms for 8 rows of 64 positions.
 
-Both are plain C with AVX2 and FMA intrinsics (the panel kernel also has AVX-512 tiles,
-chosen at run time where the CPU has AVX-512: products of four rows or more, a prefill's
-included, run about 1.5-1.9x faster on a Zen 5 core, bit for bit the same), compiled here with the machine's C compiler
-(``$CC``, else ``cc``, ``gcc`` or ``clang``) into ``<cache_dir>/kernels/`` under a name that
+They are plain C with AVX2 and FMA intrinsics. The panel kernel also has AVX-512 tiles, chosen
+at run time where the CPU has AVX-512: products of four rows or more, a prefill's included,
+run about 1.5-1.9x faster on a Zen 5 core, bit for bit the same. Prefill attention
+(``prefill_attention.c``) is AVX-512 only; without it prefill attends through torch's SDPA.
+They are compiled here with the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
+``clang``) into ``<cache_dir>/kernels/`` under a name that
 hashes the source and flags, so a replica that restarts loads the built library. Where the
 CPU lacks AVX2/FMA, there is no compiler, or the build fails, :func:`kernel_unavailable` says
 why and the engine keeps oneDNN's packed layout (``app.packed_linear``).

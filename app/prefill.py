@@ -18,6 +18,10 @@ Which prompts share a pass (``Prefiller.plan_pass``):
   (a 64-token chat is not padded to a 256-token chunk). Several documents do not share one
   long pass: a prompt that arrives waits for at most one pass of that size.
 
+Threads: a pass runs on the engine's ``num_threads``, or, with ``prefill_max_threads``, on as
+many more as the rest of the machine leaves cores idle (``app.idle_cores``: where the phases
+share one machine, the decode replica's core while no stream runs).
+
 ``make_packages`` runs a list of prompts to completion (tests, benchmarks, the local
 engine); a server drives ``new_job`` / ``plan_pass`` / ``run_pass`` itself so that prompts
 arriving between passes join the queue (``deployments.replica.PrefillQueue``).
@@ -32,10 +36,12 @@ tokens decode rows included within the same budget, and ``complete`` finishes th
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
+from app.idle_cores import IdleCores
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest
 from app.model_runner import ModelRunner
@@ -120,6 +126,10 @@ class Prefiller:
         self.max_rows = cfg.prefill_max_batch_size
         self.fairness_s = cfg.prefill_fairness_s
         self._led_by_waiting = False  # the last pass was led by an over-waited prompt
+        # more threads for a pass while the machine's other cores are idle (app.idle_cores)
+        base = cfg.num_threads or torch.get_num_threads()
+        self.idle_cores = (IdleCores(base, max(base, cfg.prefill_max_threads))
+                           if cfg.prefill_max_threads else None)
 
     def validate(self, req: PrefillRequest) -> None:
         validate_prompt(
@@ -232,8 +242,9 @@ class Prefiller:
         chunks = [list(j.req.prompt_token_ids[j.done : j.done + self.chunk_of(j)])
                   for j in rows]
         past = [j.kv() for j in rows]
-        logits, kvs = self.runner.forward_prefill(
-            chunks, past if any(p is not None for p in past) else None)
+        with self.idle_cores.pass_threads() if self.idle_cores else nullcontext():
+            logits, kvs = self.runner.forward_prefill(
+                chunks, past if any(p is not None for p in past) else None)
         return self.complete(rows, [len(c) for c in chunks], logits, kvs, start)
 
     def complete(self, rows: list[PrefillJob], sizes: list[int], logits: torch.Tensor,

@@ -5,8 +5,8 @@ kernel's layout, ``app.packed_linear``: the engine's own panel kernel where it b
 oneDNN's with ``+packed+onednn``; ``+gather`` for decode attention through a gathered copy and
 SDPA instead of the in-place kernel, ``app.paged_attention``; ``+unfused`` for a decode step
 through the model's modules instead of one call to the fused kernel, ``app.fused_decode``;
-``+avx2`` for the panel kernel kept to its AVX2 tiles on a CPU that has AVX-512; side by side, interleaved in rounds so that a busy spell of a shared machine hits every
-figure alike):
+``+avx2`` for the panel kernel kept to its AVX2 tiles on a CPU that has AVX-512; side by
+side, interleaved in rounds so that a busy spell of a shared machine hits every figure alike):
 
 * the floor: one GEMV (``[1, K] @ [K, N]``) over as many bytes as the model's weights, the
   least a decode step must read;

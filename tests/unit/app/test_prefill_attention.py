@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
 def _reference(q, k, v, starts, pmax, scale):
     """SDPA with the kernel's mask spelled out: row b's query i sees keys j < starts[b] and
     pmax <= j <= pmax + i; KV heads repeated for the query heads that share them."""
-    bsz, heads, seq, _ = q.shape
+    _, heads, seq, _ = q.shape
     group = heads // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     j = torch.arange(k.shape[2])[None, :]
