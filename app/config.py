@@ -80,6 +80,10 @@ class EngineConfig:
     prefill_chunk_tokens: int = 256
     # a prompt that has waited this long leads every other prefill pass
     prefill_fairness_s: float = 5.0
+    # a prefill pass runs this many layers at a time, and between two runs a prompt that
+    # arrived meanwhile and needs at most a quarter of the pass's tokens gets its own pass
+    # first (deployments.replica.PrefillQueue); 0: passes run whole
+    prefill_preempt_layers: int = 4
     # where one engine both prefills and decodes (the colocated app): while sequences are
     # decoding, prompt chunks ride in the decode steps, one forward pass for both under the
     # prefill pass budget (min(prefill_token_budget, prefill_chunk_tokens) tokens, decode rows
@@ -138,6 +142,9 @@ class EngineConfig:
             raise ValueError(
                 f"linear_layout must be one of {LINEAR_LAYOUTS}, got {self.linear_layout!r}"
             )
+        if self.prefill_preempt_layers < 0:
+            raise ValueError(f"prefill_preempt_layers must be >= 0, got "
+                             f"{self.prefill_preempt_layers}")
         if self.prefill_fairness_s < 0 or self.prefix_cache_mb < 0:
             raise ValueError("prefill_fairness_s and prefix_cache_mb must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:

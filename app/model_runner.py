@@ -27,6 +27,7 @@ import inspect
 import itertools
 import logging
 import threading
+from collections.abc import Generator
 
 import torch
 
@@ -148,12 +149,24 @@ class ModelRunner:
 
     def _layers_forward(self, hidden, position_ids, mask, cache,
                         **attention_kwargs) -> torch.Tensor:
+        steps = self._layers(hidden, position_ids, mask, cache, **attention_kwargs)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def _layers(self, hidden, position_ids, mask, cache,
+                **attention_kwargs) -> Generator[int, None, torch.Tensor]:
+        """The decoder layers over ``hidden``, yielding after each (layers done so far);
+        returns the last layer's hidden states."""
         if self.multi_device:
             cos_sin = self.rotary_emb(hidden.to(self._rotary_device),
                                       position_ids.to(self._rotary_device))
         else:
             cos_sin = self.rotary_emb(hidden, position_ids)
-        for layer, device in zip(self.layers, self.layer_devices, strict=True):
+        for index, (layer, device) in enumerate(zip(self.layers, self.layer_devices,
+                                                    strict=True)):
             if self.multi_device and hidden.device != device:
                 # a device_map boundary: what the layer reads moves to its GPU
                 hidden, position_ids = hidden.to(device), position_ids.to(device)
@@ -169,6 +182,7 @@ class ModelRunner:
                 **attention_kwargs,
             )
             hidden = out[0] if isinstance(out, tuple) else out
+            yield index + 1
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -178,11 +192,28 @@ class ModelRunner:
             return self.lm_head(hidden.to(self.output_device)).float()
         return self.lm_head(self.norm(hidden)).float()
 
-    @torch.inference_mode()
     def forward_prefill(self, prompts: list[list[int]],
                         past: list[torch.Tensor | None] | None = None,
                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run prompts (or the next chunks of prompts) of any lengths as one right-padded batch.
+        """Run prompts (or the next chunks of prompts) of any lengths as one right-padded batch
+        (:meth:`prefill_layers` to the end, under the runner's lock)."""
+        steps = self.prefill_layers(prompts, past)
+        with self.lock:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+
+    @torch.inference_mode()
+    def prefill_layers(self, prompts: list[list[int]],
+                       past: list[torch.Tensor | None] | None = None,
+                       ) -> Generator[int, None, tuple[torch.Tensor, list[torch.Tensor]]]:
+        """:meth:`forward_prefill` as a generator that yields after each layer (the number of
+        layers done), so that a pass can pause between layers for another (a short prompt
+        that should not wait for a long one's whole pass) and resume; its result is the
+        generator's return value. Passes paused at once share nothing but the model. The
+        caller holds the runner's lock while it advances one (:meth:`forward_prefill`).
 
         ``past[i]``, when given and not None, is the KV of the positions before ``prompts[i]``
         (``[layers, 2, kv_heads, P_i, head_dim]``: a cached prefix, earlier chunks): row ``i``
@@ -206,24 +237,23 @@ class ModelRunner:
         if has_past:
             mask = self._past_mask(starts, seq).to(self.device)
             collector.past = self._padded_past(past, starts)
-        with self.lock:
-            hidden = self.embed_tokens(ids)  # [B, S, H]
-            span = {"prefill_span": PrefillSpan.build(starts)} if self.prefill_kernel else {}
-            hidden = self._layers_forward(hidden, positions, mask, collector, **span)
-            last = torch.tensor(lens, device=hidden.device) - 1
-            logits = self._logits(hidden[torch.arange(bsz, device=hidden.device), last])
-            kvs = []
-            lay = self.layout
-            for i, n in enumerate(lens):
-                kv = torch.empty(
-                    (lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim),
-                    dtype=self.kv_dtype,
-                    device=self.kv_device,
-                )
-                for layer_idx in range(lay.num_layers):
-                    kv[layer_idx, 0] = collector.keys[layer_idx][i, :, :n]
-                    kv[layer_idx, 1] = collector.values[layer_idx][i, :, :n]
-                kvs.append(kv)
+        hidden = self.embed_tokens(ids)  # [B, S, H]
+        span = {"prefill_span": PrefillSpan.build(starts)} if self.prefill_kernel else {}
+        hidden = yield from self._layers(hidden, positions, mask, collector, **span)
+        last = torch.tensor(lens, device=hidden.device) - 1
+        logits = self._logits(hidden[torch.arange(bsz, device=hidden.device), last])
+        kvs = []
+        lay = self.layout
+        for i, n in enumerate(lens):
+            kv = torch.empty(
+                (lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim),
+                dtype=self.kv_dtype,
+                device=self.kv_device,
+            )
+            for layer_idx in range(lay.num_layers):
+                kv[layer_idx, 0] = collector.keys[layer_idx][i, :, :n]
+                kv[layer_idx, 1] = collector.values[layer_idx][i, :, :n]
+            kvs.append(kv)
         return logits, kvs
 
     @staticmethod

@@ -16,7 +16,12 @@ Which prompts share a pass (``Prefiller.plan_pass``):
   while ``rows x longest chunk`` fits it (and ``prefill_token_budget``), rows stay within
   ``prefill_max_batch_size``, and padding wastes at most a quarter of the computed tokens
   (a 64-token chat is not padded to a 256-token chunk). Several documents do not share one
-  long pass: a prompt that arrives waits for at most one pass of that size.
+  long pass: a prompt that arrives waits for at most one pass of that size;
+* preemption between layers: a server runs a pass ``prefill_preempt_layers`` layers at a
+  time (``start_pass``, ``advance``), and a prompt that arrived meanwhile needing at most a
+  quarter of the pass's tokens gets a pass of its own before the rest
+  (``deployments.replica.PrefillQueue``): a chat waits for a few layers of a document's
+  chunk, not the whole chunk.
 
 Threads: a pass runs on the engine's ``num_threads``, or, with ``prefill_max_threads``, on as
 many more as the rest of the machine leaves cores idle (``app.idle_cores``: where the phases
@@ -36,6 +41,7 @@ tokens decode rows included within the same budget, and ``complete`` finishes th
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -107,6 +113,19 @@ class ChunkPlan:
     def complete(self, logits: torch.Tensor, kvs: list[torch.Tensor], start: float) -> None:
         self.packages = self.prefiller.complete(self.rows, self.sizes, logits, kvs, start)
         self.elapsed = time.perf_counter() - start
+
+
+@dataclass
+class PassInProgress:
+    """A prefill pass that runs a few layers at a time (``Prefiller.start_pass``,
+    ``Prefiller.advance``)."""
+
+    rows: list[PrefillJob]
+    sizes: list[int]  # tokens each row computes in this pass
+    steps: Generator[int, None, tuple[torch.Tensor, list[torch.Tensor]]]
+    tokens: int  # rows' chunk tokens in all
+    layers_done: int = 0
+    busy_s: float = 0.0  # time spent running it (not paused)
 
 
 class Prefiller:
@@ -238,14 +257,41 @@ class Prefiller:
     def run_pass(self, rows: list[PrefillJob]) -> list[KVPackage | None]:
         """Compute each row's next chunk in one forward pass; a package for each row whose
         prompt this finished, None for the others."""
-        start = time.perf_counter()
+        packages = self.advance(self.start_pass(rows))
+        assert packages is not None
+        return packages
+
+    def start_pass(self, rows: list[PrefillJob]) -> PassInProgress:
+        """A pass over each row's next chunk, not yet run (:meth:`advance` runs it)."""
         chunks = [list(j.req.prompt_token_ids[j.done : j.done + self.chunk_of(j)])
                   for j in rows]
         past = [j.kv() for j in rows]
-        with self.idle_cores.pass_threads() if self.idle_cores else nullcontext():
-            logits, kvs = self.runner.forward_prefill(
-                chunks, past if any(p is not None for p in past) else None)
-        return self.complete(rows, [len(c) for c in chunks], logits, kvs, start)
+        steps = self.runner.prefill_layers(
+            chunks, past if any(p is not None for p in past) else None)
+        return PassInProgress(rows, [len(c) for c in chunks], steps,
+                              sum(len(c) for c in chunks))
+
+    def advance(self, run: PassInProgress,
+                layers: int | None = None) -> list[KVPackage | None] | None:
+        """Run ``layers`` more of the pass's layers (None: the rest), under the runner's lock
+        and on the pass's threads; once it has run its last, the rows advance as in
+        :meth:`run_pass` and their packages are returned, else None. Between two calls
+        another pass may run (a short prompt that should not wait for this one)."""
+        began = time.perf_counter()
+        target = None if layers is None else run.layers_done + layers
+        with (self.idle_cores.pass_threads() if self.idle_cores else nullcontext()), \
+                self.runner.lock:
+            while target is None or run.layers_done < target:
+                try:
+                    run.layers_done = next(run.steps)
+                except StopIteration as finished:
+                    logits, kvs = finished.value
+                    run.busy_s += time.perf_counter() - began
+                    # the pass's own compute time, not the passes that ran while it paused
+                    return self.complete(run.rows, run.sizes, logits, kvs,
+                                         time.perf_counter() - run.busy_s)
+        run.busy_s += time.perf_counter() - began
+        return None
 
     def complete(self, rows: list[PrefillJob], sizes: list[int], logits: torch.Tensor,
                  kvs: list[torch.Tensor], start: float) -> list[KVPackage | None]:

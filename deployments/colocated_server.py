@@ -74,6 +74,7 @@ class ColocatedServer(DecodeReplica):
             "prefill_tokens_total": b.tokens_total,
             "prefill_compute_s_total": b.compute_s_total,
             "prefill_passes": b.passes,
+            "prefill_preemptions": b.preemptions,
             "mixed_batch": b.decode is not None,
             "mixed_passes": b.mixed_passes,
             **b.cache_stats(),

@@ -71,6 +71,7 @@ class PrefillServer:
             "tokens_total": b.tokens_total,
             "compute_s_total": b.compute_s_total,
             "passes": b.passes,
+            "preemptions": b.preemptions,
             **b.cache_stats(),
             "autoscaling": self.record_autoscaling_stats(),
         }

@@ -130,6 +130,7 @@ class PrefillQueue:
         self.compute_s_total = 0.0
         self.passes = 0
         self.mixed_passes = 0  # of those, decode steps that carried chunks
+        self.preemptions = 0  # passes paused between layers for much shorter prompts
         self.decode: DecodeLoop | None = None  # mixed batching: the loop that takes chunks
         self._in_flight: set[int] = set()  # ids of the jobs in a pass or step under way
 
@@ -210,17 +211,33 @@ class PrefillQueue:
                 await self._wake.wait()
                 await asyncio.sleep(self.wait_s)  # let prompts that arrive together share
                 continue
-            before = [j.remaining for j in rows]
-            start = time.perf_counter()
-            self._in_flight.update(id(j) for j in rows)
-            try:
-                packages = await self.core.run(self.prefiller.run_pass, rows)
-                self._in_flight.difference_update(id(j) for j in rows)
-                self._record_pass(rows, before, packages, time.perf_counter() - start)
-            except Exception as exc:  # the pass failed: its prompts fail, the queue goes on
-                self._in_flight.difference_update(id(j) for j in rows)
-                for job in rows:
-                    self._finish(job, exc=exc)
+            await self._pass(rows, self.core.config.prefill_preempt_layers or None)
+
+    async def _pass(self, rows: list[PrefillJob], layers: int | None) -> None:
+        """Run one pass over ``rows``, ``layers`` layers at a time (None: whole). Between two
+        runs of layers, prompts that arrived meanwhile and need at most a quarter of this
+        pass's tokens get a (whole) pass of their own first: a chat waits for a few layers
+        of a document's chunk, not for all of them. One such pass per pause, so the long
+        pass advances between any two."""
+        before = [j.remaining for j in rows]
+        self._in_flight.update(id(j) for j in rows)
+        try:
+            run = await self.core.run(self.prefiller.start_pass, rows)
+            while True:
+                packages = await self.core.run(self.prefiller.advance, run, layers)
+                if packages is not None:
+                    break
+                short = [j for j in self._free_jobs() if 4 * j.remaining <= run.tokens]
+                first = self.prefiller.plan_pass(short) if short else []
+                if first:
+                    self.preemptions += 1
+                    await self._pass(first, None)
+            self._in_flight.difference_update(id(j) for j in rows)
+            self._record_pass(rows, before, packages, run.busy_s)
+        except Exception as exc:  # the pass failed: its prompts fail, the queue goes on
+            self._in_flight.difference_update(id(j) for j in rows)
+            for job in rows:
+                self._finish(job, exc=exc)
 
     def _record_pass(self, rows: list[PrefillJob], before: list[int],
                      packages: list[KVPackage | None], elapsed: float) -> None:

@@ -103,13 +103,17 @@ def test_the_prefiller_runs_passes_through_it_when_configured(tmp_path, monkeypa
     prefiller.idle_cores._last = prefiller.idle_cores._sample()
     prefiller.idle_cores.cores = 2
     threads = []
-    real = prefiller.runner.forward_prefill
+    real = prefiller.runner.prefill_layers
 
     def spy(*args, **kwargs):
-        threads.append(torch.get_num_threads())
-        return real(*args, **kwargs)
+        inner = real(*args, **kwargs)
 
-    monkeypatch.setattr(prefiller.runner, "forward_prefill", spy)
+        def steps():  # the threads the pass's layers run on
+            threads.append(torch.get_num_threads())
+            return (yield from inner)
+        return steps()
+
+    monkeypatch.setattr(prefiller.runner, "prefill_layers", spy)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

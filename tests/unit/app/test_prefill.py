@@ -81,8 +81,8 @@ def test_chunked_prefill_equals_one_pass(tiny_model):
     whole = _prefiller(tiny_model, prefix_cache_mb=0).make_packages(reqs)
     chunked_prefiller = _prefiller(tiny_model, prefill_chunk_tokens=8, prefix_cache_mb=0)
     calls = []
-    real = chunked_prefiller.runner.forward_prefill
-    chunked_prefiller.runner.forward_prefill = (
+    real = chunked_prefiller.runner.prefill_layers
+    chunked_prefiller.runner.prefill_layers = (
         lambda batch, past=None: calls.append(max(map(len, batch))) or real(batch, past))
     chunked = chunked_prefiller.make_packages(reqs)
     assert max(calls) == 8 and len(calls) >= 45 // 8  # the long prompts took several passes
@@ -110,13 +110,13 @@ def test_prefill_uses_bounded_batches(tiny_model):
     core = EngineCore(EngineConfig(prefill_token_budget=40, prefill_max_batch_size=2),
                       model=tiny_model)
     sizes: list[tuple[int, int]] = []
-    real_prefill = core.runner.forward_prefill
+    real_prefill = core.runner.prefill_layers
 
     def recording(batch, past=None):
         sizes.append((len(batch), max(len(p) for p in batch)))
         return real_prefill(batch, past)
 
-    core.runner.forward_prefill = recording
+    core.runner.prefill_layers = recording
     reqs = [_req(f"b{i}", n) for i, n in enumerate((15, 12, 16, 20, 13, 15))]
     pkgs = core.make_prefiller().make_packages(reqs)
     assert [p.request_id for p in pkgs] == [r.request_id for r in reqs]
@@ -172,8 +172,8 @@ def test_validation_errors(tiny_model):
 def test_invalid_request_fails_batch_before_compute(tiny_model):
     prefiller = _prefiller(tiny_model, max_model_len=32)
     calls = []
-    real_prefill = prefiller.runner.forward_prefill
-    prefiller.runner.forward_prefill = (
+    real_prefill = prefiller.runner.prefill_layers
+    prefiller.runner.prefill_layers = (
         lambda batch, past=None: calls.append(batch) or real_prefill(batch, past))
     with pytest.raises(ContextLengthError):
         prefiller.make_packages([_req("good", 5), _req("bad", 40)])
@@ -187,8 +187,8 @@ def test_n_answers_get_one_prefill_and_a_first_token_each(tiny_model):
     sampled = SamplingParams(max_tokens=4, temperature=1.5, seed=11)
     prompt = tuple(range(40, 61))
     calls = []
-    real = prefiller.runner.forward_prefill
-    prefiller.runner.forward_prefill = (
+    real = prefiller.runner.prefill_layers
+    prefiller.runner.prefill_layers = (
         lambda batch, past=None: calls.append(len(batch)) or real(batch, past))
     [pkg] = prefiller.make_packages([PrefillRequest("m", prompt, sampled, n=4)])
     assert calls == [1] and len(pkg.choice_first_tokens) == 4

@@ -34,7 +34,7 @@ def make_server(rayless_replicas):
 def _log_passes(server: ColocatedServer) -> list[tuple[str, int]]:
     """Every forward pass from now on, in order: (kind, decode rows)."""
     runner, log = server.core.runner, []
-    prefill, decode, mixed = runner.forward_prefill, runner.decode, runner.forward_mixed
+    prefill, decode, mixed = runner.prefill_layers, runner.decode, runner.forward_mixed
 
     def logged_prefill(prompts, past=None):
         log.append(("prefill", 0))
@@ -48,7 +48,7 @@ def _log_passes(server: ColocatedServer) -> list[tuple[str, int]]:
         log.append(("mixed", len(tables)))
         return mixed(cache, tables, *args)
 
-    runner.forward_prefill, runner.decode = logged_prefill, logged_decode
+    runner.prefill_layers, runner.decode = logged_prefill, logged_decode
     runner.forward_mixed = logged_mixed
     return log
 

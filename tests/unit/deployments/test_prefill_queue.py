@@ -4,7 +4,9 @@ failure ends the callers' waits with the error instead of leaving them hanging."
 from __future__ import annotations
 
 import asyncio
+import threading
 
+import numpy as np
 import pytest
 
 from app.config import EngineConfig
@@ -39,15 +41,15 @@ async def test_prompts_are_computed_in_chunked_passes_and_counted(tiny_model):
 
 async def test_a_failing_pass_or_plan_fails_the_callers_and_the_queue_goes_on(tiny_model):
     queue = _queue(tiny_model, prefix_cache_mb=0)
-    real_run, real_plan = queue.prefiller.run_pass, queue.prefiller.plan_pass
+    real_run, real_plan = queue.prefiller.advance, queue.prefiller.plan_pass
 
-    def broken_run(rows):
+    def broken_run(run, layers=None):
         raise RuntimeError("pass broke")
 
-    queue.prefiller.run_pass = broken_run
+    queue.prefiller.advance = broken_run
     with pytest.raises(RuntimeError, match="pass broke"):
         await asyncio.wait_for(queue.enqueue(_req("a", 8)), 60)
-    queue.prefiller.run_pass = real_run
+    queue.prefiller.advance = real_run
 
     def broken_plan(jobs, now=None):
         raise RuntimeError("plan broke")
@@ -82,3 +84,52 @@ async def test_a_second_stall_moves_the_end_instead_of_queueing_another(tiny_mod
     assert core.runner.lock.acquire(timeout=60)  # released once the later end has passed
     core.runner.lock.release()
     assert time.monotonic() >= first_end and id(core) not in _STALL_ENDS
+
+
+async def test_a_short_prompt_arriving_mid_pass_is_computed_before_the_rest_of_the_pass(
+        tiny_model):
+    """A document's pass runs a layer at a time (prefill_preempt_layers=1); a chat that
+    arrives after its first layer gets a pass of its own before the document's second layer,
+    and the document's result is the one an uninterrupted pass gives."""
+    queue = _queue(tiny_model, prefix_cache_mb=0, prefill_chunk_tokens=64,
+                   prefill_preempt_layers=1)
+    alone = queue.prefiller.make_packages([_req("ref", 60)])[0]
+    first_layer, chat_queued = threading.Event(), threading.Event()
+    done: list[str] = []
+    real_advance = queue.prefiller.advance
+
+    def advance(run, layers=None):
+        out = real_advance(run, layers)
+        if [j.req.request_id for j in run.rows] == ["doc"] and run.layers_done == 1:
+            first_layer.set()
+            assert chat_queued.wait(60)  # the engine thread holds here until the chat waits
+        return out
+
+    queue.prefiller.advance = advance
+
+    async def finish(rid, n):
+        pkg = await queue.enqueue(_req(rid, n))
+        done.append(rid)
+        return pkg
+
+    doc = asyncio.create_task(finish("doc", 60))
+    assert await asyncio.to_thread(first_layer.wait, 60)
+    chat = asyncio.create_task(finish("chat", 6))
+    await asyncio.sleep(0)  # the chat's job is queued
+    chat_queued.set()
+    doc_pkg, chat_pkg = await asyncio.wait_for(asyncio.gather(doc, chat), 120)
+    assert done == ["chat", "doc"] and queue.preemptions == 1
+    assert doc_pkg.first_token == alone.first_token
+    np.testing.assert_array_equal(doc_pkg.kv, alone.kv)
+    assert chat_pkg.seq_len == 6
+    assert queue.passes == 2 and queue.waiting_requests == 0 and queue.jobs == []
+
+
+async def test_passes_run_whole_with_preemption_off(tiny_model):
+    queue = _queue(tiny_model, prefix_cache_mb=0, prefill_preempt_layers=0)
+    calls = []
+    real_advance = queue.prefiller.advance
+    queue.prefiller.advance = lambda run, layers=None: calls.append(layers) or real_advance(
+        run, layers)
+    await asyncio.wait_for(queue.enqueue(_req("a", 20)), 60)
+    assert calls == [None]
