@@ -6,6 +6,11 @@ Prints, on the prefill replica's thread count:
 * **a chat behind a document**: a 1024-token prompt starts; a 64-token prompt arrives as
   its first pass begins. The chat's time to its KV package, chunked (``--chunk``) and
   unchunked (the whole document in one pass), and what the document pays for chunking;
+* **a chat during a document's pass, through the replica's queue**
+  (``deployments.replica.PrefillQueue``): a 1024-token prompt is queued, a 64-token prompt
+  arrives 50-300 ms later (the same random delays for both): the chat's time to its package
+  with passes paused between layers for it (``prefill_preempt_layers``, the default 4) and
+  with passes run whole (0), and the document's time;
 * **a repeated prefix**: a 1024-token prefix with a fresh 64-token suffix, cold (no cache)
   and warm (the prefix cached by an earlier prompt): time to the package, warm / cold;
 * **multi-turn chat**: each turn resends the whole conversation (the previous prompt, a
@@ -17,6 +22,7 @@ Prints, on the prefill replica's thread count:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -31,6 +37,8 @@ from app.messages import PrefillRequest
 from app.prefill import Prefiller
 from app.prefix_cache import PrefixCache
 from app.sampling import SamplingParams
+from deployments.metrics import PrefillMetrics
+from deployments.replica import PrefillQueue
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
@@ -60,6 +68,23 @@ def chat_behind_document(core: EngineCore, chunk: int, rng: random.Random) -> di
             elif pkg is not None:
                 doc_done = time.perf_counter()
     return {"chat_wait_s": chat_done - chat_arrived, "doc_s": doc_done - start}
+
+
+async def chat_during_document(core: EngineCore, delay: float,
+                               rng: random.Random) -> dict[str, float]:
+    """Through the prefill replica's own queue: the chat arrives ``delay`` s after the
+    document, mid-pass."""
+    queue = PrefillQueue(core, 0.0, PrefillMetrics("prefill_bench"))
+    start = time.perf_counter()
+    doc = asyncio.create_task(queue.enqueue(
+        PrefillRequest("doc", tuple(_tokens(rng, 1024)), GREEDY)))
+    await asyncio.sleep(delay)
+    arrived = time.perf_counter()
+    await queue.enqueue(PrefillRequest("chat", tuple(_tokens(rng, 64)), GREEDY))
+    chat_s = time.perf_counter() - arrived
+    await doc
+    return {"chat_wait_s": chat_s, "doc_s": time.perf_counter() - start,
+            "preemptions": queue.preemptions}
 
 
 def repeated_prefix(core: EngineCore, rng: random.Random) -> dict[str, float]:
@@ -98,19 +123,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    core = EngineCore(EngineConfig(model=DEFAULT_MODEL, num_threads=args.threads))
+    core = EngineCore(EngineConfig(model=DEFAULT_MODEL, num_threads=args.threads,
+                                   prefill_chunk_tokens=args.chunk))
+    whole = EngineCore(EngineConfig(model=DEFAULT_MODEL, num_threads=args.threads,
+                                    prefill_chunk_tokens=args.chunk, prefill_preempt_layers=0))
     rng = random.Random(0)
     rows: dict[str, list[float]] = {}
     for _ in range(args.repeats):  # interleaved, so a busy spell hits each alike
         for label, chunk in (("chunked", args.chunk), ("whole", 4096)):
             for key, value in chat_behind_document(core, chunk, rng).items():
                 rows.setdefault(f"{label}_{key}", []).append(value)
+        delay = rng.uniform(0.05, 0.3)
+        for label, engine in (("preempt", core), ("passes_whole", whole)):
+            result = asyncio.run(chat_during_document(engine, delay, rng))
+            for key, value in result.items():
+                rows.setdefault(f"queue_{label}_{key}", []).append(value)
         for key, value in repeated_prefix(core, rng).items():
             rows.setdefault(key, []).append(value)
     out = {k: statistics.median(v) for k, v in rows.items()}
     out["warm_over_cold"] = out["warm_s"] / out["cold_s"]
     out["chat_wait_chunked_over_whole"] = out["chunked_chat_wait_s"] / out["whole_chat_wait_s"]
     out["doc_chunked_over_whole"] = out["chunked_doc_s"] / out["whole_doc_s"]
+    out["queue_chat_wait_preempt_over_whole"] = (out["queue_preempt_chat_wait_s"]
+                                                 / out["queue_passes_whole_chat_wait_s"])
+    out["queue_doc_preempt_over_whole"] = (out["queue_preempt_doc_s"]
+                                           / out["queue_passes_whole_doc_s"])
     turns = multi_turn(core, rng)
     print(f"prefill, {args.threads} thread(s), chunk {args.chunk}, medians of {args.repeats}")
     for key, value in out.items():
