@@ -81,7 +81,7 @@ class EngineConfig:
     # a prompt that has waited this long leads every other prefill pass
     prefill_fairness_s: float = 5.0
     # a prefill pass runs this many layers at a time, and between two runs a prompt that
-    # arrived meanwhile and needs at most a quarter of the pass's tokens gets its own pass
+    # arrived meanwhile and needs at most half the pass's tokens gets its own pass
     # first (deployments.replica.PrefillQueue); 0: passes run whole
     prefill_preempt_layers: int = 4
     # where one engine both prefills and decodes (the colocated app): while sequences are

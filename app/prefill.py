@@ -18,8 +18,8 @@ Which prompts share a pass (``Prefiller.plan_pass``):
   (a 64-token chat is not padded to a 256-token chunk). Several documents do not share one
   long pass: a prompt that arrives waits for at most one pass of that size;
 * preemption between layers: a server runs a pass ``prefill_preempt_layers`` layers at a
-  time (``start_pass``, ``advance``), and a prompt that arrived meanwhile needing at most a
-  quarter of the pass's tokens gets a pass of its own before the rest
+  time (``start_pass``, ``advance``), and a prompt that arrived meanwhile needing at most
+  half the pass's tokens gets a pass of its own before the rest
   (``deployments.replica.PrefillQueue``): a chat waits for a few layers of a document's
   chunk, not the whole chunk.
 

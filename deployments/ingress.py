@@ -97,6 +97,7 @@ class Ingress:
             retry_backoff_s=self.args.retry_backoff_s, kv_budget=self.kv_budget,
             local_prefill_when_busy=self.args.local_prefill_when_busy,
             prefill_busy_tokens=self.args.busy_prefill_tokens,
+            prefill_preempts=self.args.engine.prefill_preempt_layers > 0,
             kv_bytes_per_token=KVLayout(
                 self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
                 dtype_name(self.args.engine.torch_kv_dtype)).bytes_per_token())

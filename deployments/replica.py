@@ -215,7 +215,7 @@ class PrefillQueue:
 
     async def _pass(self, rows: list[PrefillJob], layers: int | None) -> None:
         """Run one pass over ``rows``, ``layers`` layers at a time (None: whole). Between two
-        runs of layers, prompts that arrived meanwhile and need at most a quarter of this
+        runs of layers, prompts that arrived meanwhile and need at most half of this
         pass's tokens get a (whole) pass of their own first: a chat waits for a few layers
         of a document's chunk, not for all of them. One such pass per pause, so the long
         pass advances between any two."""
@@ -227,7 +227,7 @@ class PrefillQueue:
                 packages = await self.core.run(self.prefiller.advance, run, layers)
                 if packages is not None:
                     break
-                short = [j for j in self._free_jobs() if 4 * j.remaining <= run.tokens]
+                short = [j for j in self._free_jobs() if 2 * j.remaining <= run.tokens]
                 first = self.prefiller.plan_pass(short) if short else []
                 if first:
                     self.preemptions += 1

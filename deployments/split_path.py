@@ -142,9 +142,12 @@ class SplitPath:
     (``local_backlog_tokens``); on the prefill phase, which prefills shortest first, the
     short prompts there (``short_backlog_tokens``) and, when longer prompts wait there, two
     passes of them (``prefill_busy_tokens`` each): the pass under way, and the rest of the
-    short prompt's own pass, which the planner fills with a longer prompt's chunk. So a
-    burst of chats goes to the decode replicas' steps first and is shared with the prefill
-    phase only when the decode side has more ahead of it.
+    short prompt's own pass, which the planner fills with a longer prompt's chunk. Where the
+    prefill phase pauses its passes between layers for short prompts
+    (``prefill_preempts``: ``engine.prefill_preempt_layers``), the longer prompts count a
+    quarter of a pass instead (the few layers until the pause). So a burst of chats is
+    shared between the decode replicas' steps and the prefill phase by the tokens ahead on
+    each side, and both phases' cores work on it.
     """
 
     def __init__(self, prefill: Any | None, decode: Any, *, local_prefill_threshold: int,
@@ -152,7 +155,7 @@ class SplitPath:
                  locate: Callable[[Any], tuple[list[str], int | None]] = kv_object_locations,
                  kv_budget: KVBudget | None = None, kv_bytes_per_token: int = 0,
                  local_prefill_when_busy: int = 0, prefill_busy_tokens: int = 1,
-                 ) -> None:
+                 prefill_preempts: bool = False) -> None:
         self.prefill = prefill
         self.decode = decode
         self.kv_budget = kv_budget
@@ -160,6 +163,7 @@ class SplitPath:
         self.local_prefill_threshold = local_prefill_threshold
         self.local_prefill_when_busy = local_prefill_when_busy
         self.prefill_busy_tokens = max(1, prefill_busy_tokens)
+        self.prefill_preempts = prefill_preempts
         # prompt tokens whose streams have not started: sent to the prefill phase, of those
         # the short ones (under local_prefill_when_busy), and sent to a decode replica
         self.prefill_backlog_tokens = 0
@@ -223,7 +227,11 @@ class SplitPath:
         if not self._is_short(preq) or self.prefill_backlog_tokens < self.prefill_busy_tokens:
             return False
         longer = self.prefill_backlog_tokens - self.short_backlog_tokens
-        ahead_there = self.short_backlog_tokens + min(longer, 2 * self.prefill_busy_tokens)
+        # what the longer prompts there make it wait: a few layers of the pass under way
+        # where passes pause for short prompts, else that pass and the chunk that fills its own
+        longer_ahead = (min(longer, self.prefill_busy_tokens) // 4 if self.prefill_preempts
+                        else min(longer, 2 * self.prefill_busy_tokens))
+        ahead_there = self.short_backlog_tokens + longer_ahead
         return self.local_backlog_tokens < ahead_there
 
     async def reserve_kv(self, preq: PrefillRequest, trace: RequestTrace | None = None

@@ -644,3 +644,38 @@ def test_a_burst_of_short_prompts_is_shared_between_the_phases_by_tokens_ahead()
     assert counts == (1000 + 64, 64, 9 * 64)
     assert (path.prefill_backlog_tokens, path.short_backlog_tokens,
             path.local_backlog_tokens) == (0, 0, 0)
+
+
+def test_where_prefill_passes_pause_for_short_prompts_a_burst_shares_both_phases():
+    """``prefill_preempts``: the document queued at the prefill phase makes a chat wait only
+    a few layers of its pass (counted as a quarter of a pass, 64 tokens here), so a burst
+    of chats alternates between the two sides by the tokens ahead of each, instead of going
+    to the decode replicas until their backlog reaches two passes."""
+    release = asyncio.Event()
+    held = gated_stream(release)
+    prefill, decode = hop_handles(held)
+    decode.methods["generate_local"] = lambda preq: FakeCall(stream=held(preq))
+    path = split_path(prefill, decode, local_prefill_when_busy=128, prefill_busy_tokens=256,
+                      prefill_preempts=True)
+    doc = PrefillRequest("doc", tuple(range(1000)), SamplingParams(max_tokens=len(TOKENS),
+                                                                   temperature=0.0))
+    chats = [PrefillRequest(f"c{i}", tuple(range(64)),
+                            SamplingParams(max_tokens=len(TOKENS), temperature=0.0))
+             for i in range(6)]
+
+    async def scenario():
+        tasks = [asyncio.create_task(run_async(path, doc))]
+        for chat in chats:
+            await asyncio.sleep(0.01)
+            tasks.append(asyncio.create_task(run_async(path, chat)))
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(*tasks)
+
+    outs = asyncio.run(scenario())
+    assert all([e.token_id for e in out] == TOKENS for out in outs)
+    where = {(args[0][0] if name == "generate" else args[0]).request_id: name
+             for name, args in decode.calls}
+    # ahead at the prefill phase: short there + 256 // 4; locally 0, 64, ... tokens:
+    # c0 local (0 < 64), c1 hops (64 vs 64), c2 local (64 < 128), c3 hops (128 vs 128), ...
+    assert [where[c.request_id] for c in chats] == ["generate_local", "generate"] * 3
