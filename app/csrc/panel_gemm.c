@@ -420,7 +420,8 @@ static void run_panels(const float *x, long m, long k, const float *p, long n, c
 }
 
 /* y [m, n] = x [m, k] @ W^T + bias, with W packed by panel_pack. x and y are contiguous.
-   threads > 1: the panels are split between the threads of an OpenMP team. */
+   threads > 1: the panels are split between the threads of an OpenMP team (a decode-sized
+   product in equal shares, a prefill-sized one in groups taken as threads come free). */
 void panel_linear(const float *x, long m, long k, const float *p, long n, const float *bias,
                   float *y, int threads) {
     long panels = (n + NR - 1) / NR;
@@ -429,6 +430,20 @@ void panel_linear(const float *x, long m, long k, const float *p, long n, const 
     /* a product under ~64k multiply-adds is over before another thread could help */
     if (threads <= 1 || m * n * k < 65536) {
         run_panels(x, m, k, p, n, bias, y, 0, panels);
+        return;
+    }
+    if (m > MB) {
+        /* a prefill-sized product: groups of panels handed out one at a time, so a thread
+           that shares its core with another process (a decode replica on the same machine)
+           takes fewer and the others do not wait for it at the end */
+        long group = 2 * GROUP_BYTES / (k * NR * (long)sizeof(float)) / 2 * 2;
+        if (group < 2) group = 2;
+        long chunks = (panels + group - 1) / group;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (long c = 0; c < chunks; c++) {
+            long q0 = c * group, q1 = q0 + group < panels ? q0 + group : panels;
+            run_panels(x, m, k, p, n, bias, y, q0, q1);
+        }
         return;
     }
 #pragma omp parallel num_threads(threads)
