@@ -17,6 +17,7 @@ and in a container ``/proc/stat`` counts the host's cores, not the container's q
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -29,6 +30,10 @@ import torch
 _MIN_WINDOW_S = 0.05
 # a core counts as idle when the others left at least this much of it
 _IDLE_FRACTION = 0.75
+# how often the replica's log says how its passes' threads went
+_REPORT_S = 30.0
+
+logger = logging.getLogger(__name__)
 
 
 def _machine_busy_s(stat: Path) -> float | None:
@@ -53,6 +58,10 @@ class IdleCores:
         self.cores = len(os.sched_getaffinity(0))
         self.threads = base
         self._last = self._sample()
+        # since the last report: decisions, those above base, the others' load summed
+        self.decisions = self.wider = 0
+        self.others_total = 0.0
+        self._reported = self._last[0]
 
     def _sample(self) -> tuple[float, float | None, float]:
         return time.monotonic(), _machine_busy_s(self.stat), time.process_time()
@@ -76,6 +85,17 @@ class IdleCores:
         else:
             idle = int(self.cores - others - self.base + (1 - _IDLE_FRACTION))
             self.threads = max(self.base, min(self.most, self.base + idle))
+            self.decisions += 1
+            self.wider += self.threads > self.base
+            self.others_total += others
+        if now[0] - self._reported >= _REPORT_S and self.decisions:
+            logger.info("prefill passes: %d of %d decisions in the last %.0f s took idle cores "
+                        "(the rest of the machine used %.2f cores on average)", self.wider,
+                        self.decisions, now[0] - self._reported,
+                        self.others_total / self.decisions)
+            self.decisions = self.wider = 0
+            self.others_total = 0.0
+            self._reported = now[0]
         return self.threads
 
     @contextmanager

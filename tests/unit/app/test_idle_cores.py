@@ -128,3 +128,17 @@ def test_the_prefiller_runs_passes_through_it_when_configured(tmp_path, monkeypa
     # the same prompt's package, whichever thread count computed it
     np.testing.assert_allclose(alone.kv, busy.kv, rtol=1e-5, atol=1e-5)
     assert alone.first_token == busy.first_token
+
+
+def test_the_log_says_how_often_passes_took_idle_cores(tmp_path, monkeypatch, caplog):
+    m = FakeMachine(tmp_path, monkeypatch)
+    cores = IdleCores(1, 2, stat=m.stat)
+    cores.cores = 2
+    with caplog.at_level("INFO", logger="app.idle_cores"):
+        m.run(10.0, own_cores=1.0, other_cores=0.0)
+        cores.next_pass()
+        m.run(25.0, own_cores=1.0, other_cores=1.0)
+        cores.next_pass()
+    [record] = [r for r in caplog.records if r.name == "app.idle_cores"]
+    assert record.getMessage().startswith("prefill passes: 1 of 2 decisions in the last 35 s")
+    assert "used 0.50 cores on average" in record.getMessage()  # 0 and 1 core, per decision
