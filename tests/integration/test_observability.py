@@ -73,7 +73,12 @@ def test_metrics_endpoint_exports_every_documented_series(split_app):
         r = client.post("/v1/completions", json={"model": "no-such-model", "prompt": "hi"})
         assert r.status_code == 404
 
-    # Ray exports every few seconds; a slow machine may take a while
+    def healthy(samples, deployment: str) -> float:
+        return _total(samples, "ray_serve_deployment_replica_healthy", application=APP,
+                      deployment=deployment) or 0
+
+    # Ray exports every few seconds (Serve's controller its gauges on its own schedule); a
+    # slow machine may take a while
     deadline = time.monotonic() + 90
     while True:
         samples = _scrape(split_app.metrics_urls)
@@ -81,7 +86,8 @@ def test_metrics_endpoint_exports_every_documented_series(split_app):
         done = (not missing and (_total(samples, "ray_vllm_request_success_total",
                                         model_name=MODEL) or 0) >= n
                 and (_total(samples, "ray_splitserve_requests_total",
-                            outcome="ModelNotFoundError") or 0) >= 1)
+                            outcome="ModelNotFoundError") or 0) >= 1
+                and all(healthy(samples, d) >= 1 for d in ("PrefillServer", "DecodeServer")))
         if done or time.monotonic() > deadline:
             break
         time.sleep(2)
@@ -110,8 +116,7 @@ def test_metrics_endpoint_exports_every_documented_series(split_app):
     assert usage and all(0 <= v <= 1 for v in usage)
     # replicas per phase: Ray Serve's own gauge, queried by the dashboard
     for deployment in ("PrefillServer", "DecodeServer"):
-        assert (_total(samples, "ray_serve_deployment_replica_healthy", application=APP,
-                       deployment=deployment) or 0) >= 1
+        assert healthy(samples, deployment) >= 1, f"{deployment}: no healthy-replica gauge"
 
 
 def test_serve_status_reports_both_phases_healthy(split_app):
