@@ -28,6 +28,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Generator
+from typing import TypeVar
 
 import torch
 
@@ -48,6 +49,8 @@ from app.paged_attention import (
 )
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class _PrefillCollector:
@@ -70,6 +73,15 @@ class _PrefillCollector:
         past_k, past_v = self.past[layer_idx]
         return (torch.cat([past_k.to(key_states), key_states], dim=2),
                 torch.cat([past_v.to(value_states), value_states], dim=2))
+
+
+def _to_the_end(steps: Generator[int, None, T]) -> T:
+    """Run a generator of steps (a pass's layers) to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _module_device(module: torch.nn.Module, default: torch.device | None = None) -> torch.device:
@@ -149,12 +161,7 @@ class ModelRunner:
 
     def _layers_forward(self, hidden, position_ids, mask, cache,
                         **attention_kwargs) -> torch.Tensor:
-        steps = self._layers(hidden, position_ids, mask, cache, **attention_kwargs)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return _to_the_end(self._layers(hidden, position_ids, mask, cache, **attention_kwargs))
 
     def _layers(self, hidden, position_ids, mask, cache,
                 **attention_kwargs) -> Generator[int, None, torch.Tensor]:
@@ -199,11 +206,7 @@ class ModelRunner:
         (:meth:`prefill_layers` to the end, under the runner's lock)."""
         steps = self.prefill_layers(prompts, past)
         with self.lock:
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    return done.value
+            return _to_the_end(steps)
 
     @torch.inference_mode()
     def prefill_layers(self, prompts: list[list[int]],
