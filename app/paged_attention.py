@@ -153,8 +153,10 @@ class MixedStep:
     # the layer in progress: (decode keys, values) gathered from the pool, and per chunk its
     # (keys, values) over past + chunk; set by MixedCacheView.update, read by the attention
     current: tuple | None = None
-    # the chunks attend through the engine's prefill attention kernel (else the model's SDPA)
+    # the chunks attend through the engine's prefill attention kernel (else the model's SDPA);
+    # then, per chunk, its past length as the kernel reads it ([1] int64), built once per pass
     prefill_kernel: bool = False
+    kernel_starts: list[torch.Tensor] | None = None
 
     @classmethod
     def build(cls, cache: PagedKVCache, tables: list[list[int]], positions: list[int],
@@ -172,7 +174,9 @@ class MixedStep:
             rows=len(tables),
             decode=PagedDecodeStep.build(cache, tables, positions) if tables else None,
             chunk_lens=chunk_lens, past_lens=past_lens, masks=masks,
-            prefill_kernel=prefill_kernel)
+            prefill_kernel=prefill_kernel,
+            kernel_starts=([torch.tensor([p]) for p in past_lens] if prefill_kernel
+                           else None))
 
 
 class MixedCacheView:
@@ -341,8 +345,8 @@ def _mixed_attention(module, query, step: MixedStep, scaling, dropout, kwargs):
     for i, ((k, v), n) in enumerate(zip(chunk_kv, step.chunk_lens, strict=True)):
         q = query[:, :, start : start + n]
         if step.prefill_kernel and _kernel_serves(q, k, kwargs):
-            p = step.past_lens[i]
-            outs.append(_kernel_prefill_attention(q, k, v, torch.tensor([p]), p, scaling))
+            outs.append(_kernel_prefill_attention(q, k, v, step.kernel_starts[i],
+                                                  step.past_lens[i], scaling))
             start += n
             continue
         mask = step.masks[i]

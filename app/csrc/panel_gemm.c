@@ -353,13 +353,20 @@ static void rows512(int mr, int np, long k, const float *pan, const float *x, fl
         memcpy(y + i * n + q * NR, scratch + i * 2 * NR, cols * sizeof(float));
 }
 
+/* Panels per group of a prefill-sized product on the AVX-512 path: an even number (the tiles
+   take panels in pairs) of about 2 x GROUP_BYTES (L2 holds it), at least one pair. The
+   threads' share of such a product is handed out in groups of this size too. */
+static long pair_group(long k) {
+    long group = 2 * GROUP_BYTES / (k * NR * (long)sizeof(float)) / 2 * 2;
+    return group < 2 ? 2 : group;
+}
+
 /* Panels [q0, q1), every row, in pairs of panels: each block of up to 48 rows passes through
    a group of panels (~256 KiB, kept in L2) in tiles of 12 rows, so each weight comes from
    memory once per product. A decode-sized product (at most 48 rows) is one block. */
 static void run_panels512(const float *x, long m, long k, const float *p, long n,
                           const float *bias, float *y, long q0, long q1) {
-    long group = 2 * GROUP_BYTES / (k * NR * (long)sizeof(float)) / 2 * 2;
-    if (group < 2 || m <= MB) group = 2;
+    long group = m <= MB ? 2 : pair_group(k);
     for (long g0 = q0; g0 < q1; g0 += group) {
         long g1 = g0 + group < q1 ? g0 + group : q1;
         for (long mb = 0; mb < m; mb += MB) {
@@ -436,8 +443,7 @@ void panel_linear(const float *x, long m, long k, const float *p, long n, const 
         /* a prefill-sized product: groups of panels handed out one at a time, so a thread
            that shares its core with another process (a decode replica on the same machine)
            takes fewer and the others do not wait for it at the end */
-        long group = 2 * GROUP_BYTES / (k * NR * (long)sizeof(float)) / 2 * 2;
-        if (group < 2) group = 2;
+        long group = pair_group(k);
         long chunks = (panels + group - 1) / group;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
         for (long c = 0; c < chunks; c++) {

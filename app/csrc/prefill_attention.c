@@ -32,49 +32,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 #define KP 16   /* key positions per panel: one zmm */
 #define QB 12   /* query positions per block */
 #define DMAX 256
 
 int panel_has_avx512(void);
-
-/* exp of 16 floats (the AVX2 exp8 of vec_math.h, in zmm): Cephes' expf. */
-static inline __attribute__((always_inline, target("avx512f"))) __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-    x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
-    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-    __m512 xx = _mm512_mul_ps(x, x);
-    y = _mm512_fmadd_ps(y, xx, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx),
-                                                   _mm512_set1_epi32(0x7f)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
-/* Keys [T][D] (position stride ks) into panels [ceil(T/16)][D][16], zero padded. */
-static void pack_keys(const float *k, long ks, long t, long d, float *kt) {
-    long panels = (t + KP - 1) / KP;
-    for (long p = 0; p < panels; p++) {
-        float *dst = kt + p * d * KP;
-        for (long j = 0; j < KP; j++) {
-            long pos = p * KP + j;
-            if (pos < t) {
-                const float *src = k + pos * ks;
-                for (long dd = 0; dd < d; dd++) dst[dd * KP + j] = src[dd];
-            } else {
-                for (long dd = 0; dd < d; dd++) dst[dd * KP + j] = 0.0f;
-            }
-        }
-    }
-}
+void panel_pack(const float *w, long ldw, long n, long k, float *p);
 
 /* scores[r][0..16) = q_r . keys of one panel, for mr (1..12) query rows (stride qs). */
 #define SC_DECL(i) __m512 s##i = _mm512_setzero_ps()
@@ -217,7 +182,8 @@ int prefill_attention(const float *q, long qsb, long qsh, long qss,
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long bg = 0; bg < pairs; bg++) {
         long b = bg / kv_heads, g = bg % kv_heads;
-        pack_keys(k + b * ksb + g * ksh, kss, t, d, kt + bg * per);
+        /* keys [T][D] are a weight's rows to the panel layout: [T/16][D][16] */
+        panel_pack(k + b * ksb + g * ksh, kss, t, d, kt + bg * per);
     }
     long blocks = (s + QB - 1) / QB, tasks = batch * heads * blocks;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)

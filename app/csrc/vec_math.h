@@ -1,4 +1,5 @@
-/* Small vector helpers shared by the engine's CPU kernels (AVX2 + FMA, float32). */
+/* Small vector helpers shared by the engine's CPU kernels (AVX2 + FMA, float32; the
+   AVX-512 ones carry their own target attribute). */
 #ifndef SPLITSERVE_VEC_MATH_H
 #define SPLITSERVE_VEC_MATH_H
 
@@ -24,6 +25,27 @@ static inline __m256 exp8(__m256 x) {
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx),
                                                    _mm256_set1_epi32(0x7f)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* exp8 in zmm (AVX-512, for the kernels' paths chosen at run time). */
+static inline __attribute__((always_inline, target("avx512f"))) __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
+    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    __m512 xx = _mm512_mul_ps(x, x);
+    y = _mm512_fmadd_ps(y, xx, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx),
+                                                   _mm512_set1_epi32(0x7f)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
 /* The sum of a vector's eight lanes. */

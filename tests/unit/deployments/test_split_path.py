@@ -605,25 +605,27 @@ async def run_async(path: SplitPath, preq: PrefillRequest) -> list[TokenEvent]:
     return [ev async for ev in path.resumable_stream(preq, RequestTrace())]
 
 
-def test_a_burst_of_short_prompts_is_shared_between_the_phases_by_tokens_ahead():
-    """With a document queued at the prefill phase, 64-token chats arriving together go to
-    whichever side has fewer tokens ahead of them: the decode replicas' local prompts not
-    yet streaming, against the short prompts at the prefill phase plus two passes of the
-    document (the one under way, and the chunk that fills the chat's own pass)."""
+def _route_burst(chats: int, **path_kwargs):
+    """A 1,000-token document queued at the prefill phase, then ``chats`` 64-token chats
+    arriving 10 ms apart, no stream starting until all are routed. Returns where each chat
+    was prefilled ("generate": the prefill phase, "generate_local": the decode replica),
+    the path's backlog counts (prefill, short there, local) while they were queued, and the
+    path."""
     release = asyncio.Event()
     held = gated_stream(release)  # no stream starts until the burst has been routed
     prefill, decode = hop_handles(held)
     decode.methods["generate_local"] = lambda preq: FakeCall(stream=held(preq))
-    path = split_path(prefill, decode, local_prefill_when_busy=128, prefill_busy_tokens=256)
+    path = split_path(prefill, decode, local_prefill_when_busy=128, prefill_busy_tokens=256,
+                      **path_kwargs)
     doc = PrefillRequest("doc", tuple(range(1000)), SamplingParams(max_tokens=len(TOKENS),
                                                                    temperature=0.0))
-    chats = [PrefillRequest(f"c{i}", tuple(range(64)),
-                            SamplingParams(max_tokens=len(TOKENS), temperature=0.0))
-             for i in range(10)]
+    requests = [PrefillRequest(f"c{i}", tuple(range(64)),
+                               SamplingParams(max_tokens=len(TOKENS), temperature=0.0))
+                for i in range(chats)]
 
     async def scenario():
         tasks = [asyncio.create_task(run_async(path, doc))]
-        for chat in chats:
+        for chat in requests:
             await asyncio.sleep(0.01)
             tasks.append(asyncio.create_task(run_async(path, chat)))
         await asyncio.sleep(0.05)
@@ -637,10 +639,18 @@ def test_a_burst_of_short_prompts_is_shared_between_the_phases_by_tokens_ahead()
     assert all([e.token_id for e in out] == TOKENS for out in outs)
     where = {(args[0][0] if name == "generate" else args[0]).request_id: name
              for name, args in decode.calls}
+    return [where[c.request_id] for c in requests], counts, path
+
+
+def test_a_burst_of_short_prompts_is_shared_between_the_phases_by_tokens_ahead():
+    """With a document queued at the prefill phase, 64-token chats arriving together go to
+    whichever side has fewer tokens ahead of them: the decode replicas' local prompts not
+    yet streaming, against the short prompts at the prefill phase plus two passes of the
+    document (the one under way, and the chunk that fills the chat's own pass)."""
+    where, counts, path = _route_burst(10)
     # ahead at the prefill phase: 0 short + 2 x 256 of the document; locally 0, 64, ...
     # tokens: c0-c7 go local (448 < 512), c8 hops (512 vs 512), c9 local (512 < 64 + 512)
-    assert [where[c.request_id] for c in chats] == [
-        "generate_local"] * 8 + ["generate", "generate_local"]
+    assert where == ["generate_local"] * 8 + ["generate", "generate_local"]
     assert counts == (1000 + 64, 64, 9 * 64)
     assert (path.prefill_backlog_tokens, path.short_backlog_tokens,
             path.local_backlog_tokens) == (0, 0, 0)
@@ -651,31 +661,7 @@ def test_where_prefill_passes_pause_for_short_prompts_a_burst_shares_both_phases
     a few layers of its pass (counted as a quarter of a pass, 64 tokens here), so a burst
     of chats alternates between the two sides by the tokens ahead of each, instead of going
     to the decode replicas until their backlog reaches two passes."""
-    release = asyncio.Event()
-    held = gated_stream(release)
-    prefill, decode = hop_handles(held)
-    decode.methods["generate_local"] = lambda preq: FakeCall(stream=held(preq))
-    path = split_path(prefill, decode, local_prefill_when_busy=128, prefill_busy_tokens=256,
-                      prefill_preempts=True)
-    doc = PrefillRequest("doc", tuple(range(1000)), SamplingParams(max_tokens=len(TOKENS),
-                                                                   temperature=0.0))
-    chats = [PrefillRequest(f"c{i}", tuple(range(64)),
-                            SamplingParams(max_tokens=len(TOKENS), temperature=0.0))
-             for i in range(6)]
-
-    async def scenario():
-        tasks = [asyncio.create_task(run_async(path, doc))]
-        for chat in chats:
-            await asyncio.sleep(0.01)
-            tasks.append(asyncio.create_task(run_async(path, chat)))
-        await asyncio.sleep(0.05)
-        release.set()
-        return await asyncio.gather(*tasks)
-
-    outs = asyncio.run(scenario())
-    assert all([e.token_id for e in out] == TOKENS for out in outs)
-    where = {(args[0][0] if name == "generate" else args[0]).request_id: name
-             for name, args in decode.calls}
+    where, _, _ = _route_burst(6, prefill_preempts=True)
     # ahead at the prefill phase: short there + 256 // 4; locally 0, 64, ... tokens:
     # c0 local (0 < 64), c1 hops (64 vs 64), c2 local (64 < 128), c3 hops (128 vs 128), ...
-    assert [where[c.request_id] for c in chats] == ["generate_local", "generate"] * 3
+    assert where == ["generate_local", "generate"] * 3
