@@ -78,6 +78,12 @@ class EngineConfig:
     # a prefill pass computes at most this many tokens: long prompts in chunks of it, short
     # ones together up to it (app.prefill)
     prefill_chunk_tokens: int = 256
+    # a prefill pass (or a decode step's chunks) stops taking more prompts once it holds this
+    # many tokens: every prompt in a pass waits for the whole pass, and on a CPU a pass of 64
+    # tokens already computes as fast per token as a longer one, so a wave of chats is
+    # answered one after the other, not all at the end (app.prefill); None: up to
+    # prefill_chunk_tokens (an accelerator, which needs large passes to fill)
+    prefill_batch_tokens: int | None = None
     # a prompt that has waited this long leads every other prefill pass
     prefill_fairness_s: float = 5.0
     # a prefill pass runs this many layers at a time, and between two runs a prompt that
@@ -142,6 +148,8 @@ class EngineConfig:
             raise ValueError(
                 f"linear_layout must be one of {LINEAR_LAYOUTS}, got {self.linear_layout!r}"
             )
+        if self.prefill_batch_tokens is not None and self.prefill_batch_tokens < 1:
+            raise ValueError(f"prefill_batch_tokens must be >= 1, got {self.prefill_batch_tokens}")
         if self.prefill_preempt_layers < 0:
             raise ValueError(f"prefill_preempt_layers must be >= 0, got "
                              f"{self.prefill_preempt_layers}")

@@ -17,6 +17,11 @@ Which prompts share a pass (``Prefiller.plan_pass``):
   ``prefill_max_batch_size``, and padding wastes at most a quarter of the computed tokens
   (a 64-token chat is not padded to a 256-token chunk). Several documents do not share one
   long pass: a prompt that arrives waits for at most one pass of that size;
+* a pass takes no more prompts once it holds ``prefill_batch_tokens`` (when set): each
+  prompt in a pass waits for all of it, and where a pass of that many tokens already
+  computes as fast per token as a longer one (a CPU: 64), a wave of eight chats is answered
+  one or two at a time, the first after an eighth of the wave's compute, not all of them
+  after the whole of it;
 * preemption between layers: a server runs a pass ``prefill_preempt_layers`` layers at a
   time (``start_pass``, ``advance``), and a prompt that arrived meanwhile needing at most
   half the pass's tokens gets a pass of its own before the rest
@@ -141,6 +146,7 @@ class Prefiller:
         self.eos_token_ids = eos_token_ids  # masked from a first token under min_tokens
         cfg = runner.config
         self.chunk_tokens = cfg.prefill_chunk_tokens
+        self.batch_tokens = cfg.prefill_batch_tokens  # None: no limit below chunk_tokens
         self.token_budget = cfg.prefill_token_budget
         self.max_rows = cfg.prefill_max_batch_size
         self.fairness_s = cfg.prefill_fairness_s
@@ -210,11 +216,16 @@ class Prefiller:
             return []
         rows = [order[0]]
         for job in order[1:]:
-            if len(rows) >= self.max_rows:
+            if len(rows) >= self.max_rows or self._full(sum(self.chunk_of(j) for j in rows)):
                 break
             if self._fits([*rows, job]):
                 rows.append(job)
         return rows
+
+    def _full(self, tokens: int) -> bool:
+        """A pass (or a step's chunks) holding ``tokens`` takes no more prompts
+        (``prefill_batch_tokens``)."""
+        return self.batch_tokens is not None and tokens >= self.batch_tokens
 
     def plan_chunks(self, jobs: list[PrefillJob], decode_rows: int,
                     now: float | None = None) -> ChunkPlan | None:
@@ -225,8 +236,9 @@ class Prefiller:
         tokens, decode rows included, but its chunks always get at least a quarter of that,
         so a full decode batch never starves the prompts. Jobs come in ``plan_pass``'s order
         (fairness, then shortest remaining first), each taking up to
-        ``prefill_chunk_tokens`` of what is left; chunks are laid end to end, not padded,
-        so rows of any lengths share the pass."""
+        ``prefill_chunk_tokens`` of what is left, until the chunks hold
+        ``prefill_batch_tokens`` (when set); chunks are laid end to end, not padded, so rows
+        of any lengths share the pass."""
         order = self._order(jobs, now)
         if not order:
             return None
@@ -235,7 +247,7 @@ class Prefiller:
         rows: list[PrefillJob] = []
         sizes: list[int] = []
         for job in order:
-            if left <= 0 or len(rows) >= self.max_rows:
+            if left <= 0 or len(rows) >= self.max_rows or self._full(sum(sizes)):
                 break
             n = min(self.chunk_of(job), left)
             rows.append(job)

@@ -69,6 +69,7 @@ def _limits(args: argparse.Namespace) -> EngineLimits:
                         prefill_max_rows=args.prefill_max_rows,
                         kv_layout=args.kv_layout,
                         prefill_chunk_tokens=args.prefill_chunk,
+                        prefill_batch_tokens=args.prefill_batch_tokens,
                         prefill_fairness_s=args.prefill_fairness_s,
                         prefill_routing=args.prefill_routing,
                         local_prefill_threshold=args.local_prefill_threshold,
@@ -104,6 +105,9 @@ def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
     p.add_argument("--prefill-chunk", type=int, default=2048 if gpu_defaults else 256,
                    help="prefill_chunk_tokens: at most this many tokens per prefill pass, "
                    "long prompts in chunks (the GPU serve configs use 2048, EngineConfig 256)")
+    p.add_argument("--prefill-batch-tokens", type=int, default=None if gpu_defaults else 64,
+                   help="prefill_batch_tokens: a pass takes no more prompts once it holds this "
+                   "many tokens (the CPU serve configs use 64; default for GPUs: no limit)")
     p.add_argument("--prefill-fairness-s", type=float, default=5.0,
                    help="a prompt that waited this long leads every other prefill pass")
     p.add_argument("--prefill-routing", choices=("affinity", "least_loaded"),

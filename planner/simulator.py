@@ -10,7 +10,8 @@ The simulated engine follows the app's code path by path:
   ``prefill_fairness_s``; each row computes at most ``prefill_chunk_tokens`` of its prompt;
   rows share a pass while ``rows x longest chunk`` fits ``min(token_budget,
   prefill_chunk_tokens)``, padding stays within a quarter of the real tokens, the padded
-  pasts within ``token_budget`` and rows within ``prefill_max_rows``. A pass costs
+  pasts within ``token_budget`` and rows within ``prefill_max_rows``, and none joins a pass
+  that already holds ``prefill_batch_tokens``. A pass costs
   ``prefill_chunk_s(rows, longest chunk, longest past)``. A prompt that arrives while a
   long one is being computed joins the next pass. A prompt's package leaves when its own
   last chunk ends. An idle queue waits ``batch_wait_s`` after a prompt wakes it.
@@ -254,6 +255,9 @@ class EngineLimits:
     kv_layout: str = "paged"  # "paged" (this engine) | "inplace" | "padded" (KV_LAYOUTS)
     kv_block_tokens: int = KV_BLOCK_TOKENS  # the paged pool's block
     prefill_chunk_tokens: int = 256  # at most this many tokens per prefill pass
+    # prefill_batch_tokens: a pass (a step's chunks) takes no more prompts once it holds
+    # this many tokens; None: up to the pass
+    prefill_batch_tokens: int | None = None
     prefill_fairness_s: float = 5.0  # a prompt that waited this long leads every other pass
     prefill_routing: str = "affinity"  # "affinity" (PrefixAffinityRouter) | "least_loaded"
     affinity_imbalance: int = 4  # PrefixAffinityRouter's imbalance
@@ -274,10 +278,16 @@ class EngineLimits:
             raise ValueError("prefill_busy_tokens must be >= 1")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.prefill_batch_tokens is not None and self.prefill_batch_tokens < 1:
+            raise ValueError("prefill_batch_tokens must be >= 1")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown KV layout {self.kv_layout!r}; known: {KV_LAYOUTS}")
         if self.kv_block_tokens < 1:
             raise ValueError("kv_block_tokens must be >= 1")
+
+    def batch_full(self, tokens: int) -> bool:
+        """A pass holding ``tokens`` takes no more prompts (``prefill_batch_tokens``)."""
+        return self.prefill_batch_tokens is not None and tokens >= self.prefill_batch_tokens
 
     @property
     def pass_tokens(self) -> int:
@@ -522,7 +532,8 @@ class _PrefillQueue:
             return []
         rows, chunks, pasts = [head], [self.chunk_of(head)], [head.done]
         for scanned, (_, _, _, r) in enumerate(self._order):
-            if len(rows) >= self.limits.prefill_max_rows or scanned > _PLAN_SCAN:
+            if (len(rows) >= self.limits.prefill_max_rows or scanned > _PLAN_SCAN
+                    or self.limits.batch_full(sum(chunks))):
                 break
             if r is head:
                 continue
@@ -554,7 +565,8 @@ class _PrefillQueue:
         left = max(self.pass_tokens - decode_rows, self.pass_tokens // 4, 1)
         plan = _Chunks()
         for r in itertools.chain((head,), (e[3] for e in self._order)):
-            if left <= 0 or len(plan.rows) >= self.limits.prefill_max_rows:
+            if (left <= 0 or len(plan.rows) >= self.limits.prefill_max_rows
+                    or self.limits.batch_full(sum(plan.sizes))):
                 break
             if r in busy or (r is head and plan.rows):
                 continue

@@ -61,6 +61,30 @@ def test_short_prompt_goes_before_a_long_prompts_next_chunk(tiny_model):
     assert prefiller.plan_pass([doc, chat], now=0.2) == [doc]
 
 
+def test_a_pass_takes_no_more_prompts_once_it_holds_prefill_batch_tokens(tiny_model):
+    """A wave of chats: without prefill_batch_tokens they share passes up to the chunk;
+    with it each pass stops taking prompts once it holds that many tokens (the one that
+    crosses it still joins), so the first chats finish after a fraction of the wave."""
+    def passes(**cfg):
+        prefiller = _prefiller(tiny_model, prefill_chunk_tokens=256, prefill_fairness_s=1e9,
+                               **cfg)
+        jobs = _jobs(prefiller, [64, 64, 64, 64, 16, 16, 16, 300])
+        sizes = []
+        while any(j.remaining for j in jobs):
+            rows = prefiller.plan_pass(jobs, now=0.0)
+            sizes.append(sorted(prefiller.chunk_of(j) for j in rows))
+            for job in rows:
+                job.done += prefiller.chunk_of(job)
+        return sizes
+
+    assert passes() == [[16, 16, 16], [64, 64, 64, 64], [256], [44]]
+    assert passes(prefill_batch_tokens=64) == [[16, 16, 16], [64], [64], [64], [64], [256],
+                                               [44]]
+    assert passes(prefill_batch_tokens=100) == [[16, 16, 16], [64, 64], [64, 64], [256], [44]]
+    with pytest.raises(ValueError, match="prefill_batch_tokens"):
+        EngineConfig(prefill_batch_tokens=0)
+
+
 def test_a_prompt_that_waited_leads_every_other_pass(tiny_model):
     prefiller = _prefiller(tiny_model, prefill_chunk_tokens=32, prefill_fairness_s=2.0,
                            prefill_max_batch_size=1)

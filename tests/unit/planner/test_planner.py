@@ -741,6 +741,7 @@ def _engine_prefiller(lim: EngineLimits):
     cfg = EngineConfig(max_batch_size=lim.max_batch_size, prefill_token_budget=lim.token_budget,
                        prefill_max_batch_size=lim.prefill_max_rows,
                        prefill_chunk_tokens=lim.prefill_chunk_tokens,
+                       prefill_batch_tokens=lim.prefill_batch_tokens,
                        prefill_fairness_s=lim.prefill_fairness_s)
     return Prefiller(SimpleNamespace(config=cfg), "stub")
 
@@ -782,6 +783,9 @@ def _engine_chunk_steps(lim, prompts, decode_rows, now=10.0, joins=False):
     (EngineLimits(), [(1024, 960, 9.0), (2000, 0, 1.0), *((64, 0, 9.5) for _ in range(6))], 2),
     # at most prefill_max_rows prompts per step
     (EngineLimits(prefill_max_rows=3), [(5, 0, 9.0) for _ in range(7)], 1),
+    # no more prompts once a step's chunks hold prefill_batch_tokens
+    (EngineLimits(prefill_batch_tokens=64), [(40, 0, 9.0), (20, 0, 9.0), (64, 0, 9.0),
+                                             (10, 0, 9.0), (300, 0, 9.0)], 2),
 ])
 def test_mixed_step_chunks_are_the_engines(lim, prompts, decode_rows):
     """Step after step, the simulated replica puts the same prompts' chunks, of the same
