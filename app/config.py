@@ -79,9 +79,9 @@ class EngineConfig:
     # ones together up to it (app.prefill)
     prefill_chunk_tokens: int = 256
     # a prefill pass (or a decode step's chunks) stops taking more prompts once it holds this
-    # many tokens: every prompt in a pass waits for the whole pass, and on a CPU a pass of 64
-    # tokens already computes as fast per token as a longer one, so a wave of chats is
-    # answered one after the other, not all at the end (app.prefill); None: up to
+    # many tokens: every prompt in a pass waits for the whole pass, and on a CPU a pass of
+    # 64-128 tokens already computes about as fast per token as a longer one, so a wave of
+    # chats is answered a few at a time, not all at the end (app.prefill); None: up to
     # prefill_chunk_tokens (an accelerator, which needs large passes to fill)
     prefill_batch_tokens: int | None = None
     # a prompt that has waited this long leads every other prefill pass

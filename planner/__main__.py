@@ -105,9 +105,9 @@ def _common(p: argparse.ArgumentParser, *, gpu_defaults: bool) -> None:
     p.add_argument("--prefill-chunk", type=int, default=2048 if gpu_defaults else 256,
                    help="prefill_chunk_tokens: at most this many tokens per prefill pass, "
                    "long prompts in chunks (the GPU serve configs use 2048, EngineConfig 256)")
-    p.add_argument("--prefill-batch-tokens", type=int, default=None if gpu_defaults else 64,
+    p.add_argument("--prefill-batch-tokens", type=int, default=None,
                    help="prefill_batch_tokens: a pass takes no more prompts once it holds this "
-                   "many tokens (the CPU serve configs use 64; default for GPUs: no limit)")
+                   "many tokens (serve_configs/local.yaml uses 128; default: no limit)")
     p.add_argument("--prefill-fairness-s", type=float, default=5.0,
                    help="a prompt that waited this long leads every other prefill pass")
     p.add_argument("--prefill-routing", choices=("affinity", "least_loaded"),
