@@ -352,6 +352,12 @@ def _cmd_simulate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
 def _simulated_system(args: argparse.Namespace,
                       devs: dict[str, DeviceProfile]) -> SplitSystem | ColocatedSystem:
     limits = _limits(args)
+    wanted = [args.prefill, args.decode] if args.system == "split" else [args.device]
+    missing = sorted({d for d in wanted if d not in devs})
+    if missing:
+        raise SystemExit(f"planner: no device profile {', '.join(missing)} (known: "
+                         f"{', '.join(sorted(devs))}); cpu-* devices come from a measured "
+                         "profile: --profile docs/planner/profile-local.json")
     if args.system == "split":
         return SplitSystem(devs[args.prefill], devs[args.decode], args.num_prefill,
                            args.num_decode, limits, decode_policy=args.policy)

@@ -369,6 +369,13 @@ def test_cli_simulate_runs(capsys):
     assert "split 1xH100 : 1xA100" in out and "per M output tokens" in out
 
 
+def test_cli_simulate_names_a_device_it_has_no_profile_for():
+    """The CPU devices come from a measured profile: without one, a clear message, not a
+    KeyError traceback."""
+    with pytest.raises(SystemExit, match="no device profile cpu-1t .*--profile"):
+        planner_main(["simulate", "--num-requests", "5"])
+
+
 # ---- the decode replica's KV: the engine's paged pool --------------------------------------
 
 
