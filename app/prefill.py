@@ -214,12 +214,13 @@ class Prefiller:
         order = self._order(jobs, now)
         if not order:
             return []
-        rows = [order[0]]
+        rows, tokens = [order[0]], self.chunk_of(order[0])
         for job in order[1:]:
-            if len(rows) >= self.max_rows or self._full(sum(self.chunk_of(j) for j in rows)):
+            if len(rows) >= self.max_rows or self._full(tokens):
                 break
             if self._fits([*rows, job]):
                 rows.append(job)
+                tokens += self.chunk_of(job)
         return rows
 
     def _full(self, tokens: int) -> bool:

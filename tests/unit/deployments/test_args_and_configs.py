@@ -195,7 +195,7 @@ def test_local_colocated_differs_from_local_only_in_the_split():
     # same model and limits; only the thread count differs (one replica has both threads,
     # where the split's prefill passes take the decode replica's core while it is idle), and
     # the split's passes take two chats at a time (prefill_batch_tokens; the colocated app
-    # served a fifth fewer chat tokens with it, BENCHMARKS.md section 7, so it keeps passes
+    # served 30% fewer chat tokens with 64, BENCHMARKS.md section 7, so it keeps passes
     # up to the chunk)
     assert engine_split.prefill_batch_tokens == 128 and engine_colo.prefill_batch_tokens is None
     assert dataclasses.replace(engine_colo, num_threads=1, prefill_max_threads=2,
