@@ -62,6 +62,8 @@ class IdleCores:
         self.decisions = self.wider = 0
         self.others_total = 0.0
         self._reported = self._last[0]
+        # since start, for the replica's stats: decisions, those above base, passes' threads
+        self.totals = {"decisions": 0, "wider": 0, "others_cores": 0.0}
 
     def _sample(self) -> tuple[float, float | None, float]:
         return time.monotonic(), _machine_busy_s(self.stat), time.process_time()
@@ -88,6 +90,9 @@ class IdleCores:
             self.decisions += 1
             self.wider += self.threads > self.base
             self.others_total += others
+            self.totals["decisions"] += 1
+            self.totals["wider"] += self.threads > self.base
+            self.totals["others_cores"] += others
         if now[0] - self._reported >= _REPORT_S and self.decisions:
             logger.info("prefill passes: %d of %d decisions in the last %.0f s took idle cores "
                         "(the rest of the machine used %.2f cores on average)", self.wider,
@@ -97,6 +102,13 @@ class IdleCores:
             self.others_total = 0.0
             self._reported = now[0]
         return self.threads
+
+    def stats(self) -> dict[str, float]:
+        """Since start: passes decided on a load sample, those that took idle cores, and the
+        cores the rest of the machine used on average before them."""
+        n = self.totals["decisions"]
+        return {"idle_core_decisions": n, "idle_core_wider_passes": self.totals["wider"],
+                "idle_core_others_mean": self.totals["others_cores"] / n if n else 0.0}
 
     @contextmanager
     def pass_threads(self):

@@ -73,6 +73,7 @@ class PrefillServer:
             "passes": b.passes,
             "preemptions": b.preemptions,
             **b.cache_stats(),
+            **b.thread_stats(),
             "autoscaling": self.record_autoscaling_stats(),
         }
 

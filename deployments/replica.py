@@ -279,6 +279,11 @@ class PrefillQueue:
         if cache is not None:
             self.metrics.record_prefix_cache(cache)
 
+    def thread_stats(self) -> dict[str, float]:
+        """How the passes' threads went (``prefill_max_threads``), or nothing when off."""
+        idle = self.prefiller.idle_cores
+        return idle.stats() if idle is not None else {}
+
     def cache_stats(self) -> dict[str, float]:
         cache = self.prefiller.prefix_cache
         if cache is None:

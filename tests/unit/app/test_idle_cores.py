@@ -62,6 +62,12 @@ def test_a_pass_takes_the_cores_the_others_leave_idle(tmp_path, monkeypatch):
     assert cores.next_pass() == 1
     m.run(1.0, own_cores=1.0, other_cores=0.2)
     assert cores.next_pass() == 2
+    # the replica's stats: five decisions on a load sample (not the too-short window), three
+    # of them wider, and the others' load averaged over those five
+    stats = cores.stats()
+    assert stats["idle_core_decisions"] == 5
+    assert stats["idle_core_wider_passes"] == 3
+    assert abs(stats["idle_core_others_mean"] - (0.05 + 0 + 0.9 + 0.4 + 0.2) / 5) < 0.02
 
 
 def test_no_stat_file_keeps_to_the_configured_threads(tmp_path, monkeypatch):
