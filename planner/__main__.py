@@ -14,7 +14,8 @@
     python -m planner search --hardware H100,H200,A100,L4 --model llama-3.1-8b ...
     # predicted vs measured on real load-generator runs
     python -m planner validate --profile P.json --split A/results.json \\
-        --colocated B/results.json
+        --colocated B/results.json [--split-config serve_configs/local.yaml \\
+        --colocated-config serve_configs/local-colocated.yaml]
 """
 
 from __future__ import annotations
@@ -231,6 +232,11 @@ def _add_validate_parser(sub: Any) -> None:
                     "engine.mixed_batch on (the default), interleave = off, or runs of an "
                     "engine from before mixed batching")
     _local_prefill_args(pv)
+    pv.add_argument("--split-config", default=None, metavar="YAML",
+                    help="the split run's Serve config (e.g. serve_configs/local.yaml): its "
+                    "engine bounds and routing replace the flags above for the split")
+    pv.add_argument("--colocated-config", default=None, metavar="YAML",
+                    help="the colocated run's Serve config, likewise for the colocated app")
     pv.add_argument("--json", default=None, help="also write the comparison here")
 
 
@@ -293,7 +299,13 @@ def _cmd_validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
                           local_prefill_threshold=args.local_prefill_threshold,
                           local_prefill_when_busy=args.local_prefill_when_busy,
                           prefill_busy_tokens=args.prefill_busy_tokens)
-    comps = validate.validate(_validation_devices(args), results, slos, limits, args.policy)
+    per_kind: dict[str, EngineLimits] = {}
+    for kind, config in (("split", args.split_config), ("colocated", args.colocated_config)):
+        try:
+            per_kind[kind] = (validate.limits_of_app(config, limits) if config else limits)
+        except (OSError, ValueError) as exc:
+            ap.error(f"--{kind}-config: {exc}")
+    comps = validate.validate(_validation_devices(args), results, slos, per_kind, args.policy)
     print(validate.table(comps))
     if args.json:
         Path(args.json).write_text(json.dumps(comps, indent=1))

@@ -9,9 +9,12 @@ threads (``cpu-2t``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from load_tests.metrics import RequestRecord, summarize
 from planner.hardware import DeviceProfile
@@ -23,6 +26,28 @@ from planner.simulator import (
     simulate,
     trace_of_run,
 )
+
+
+def limits_of_app(config: str | Path, base: EngineLimits | None = None) -> EngineLimits:
+    """The engine's bounds and the split's routing as a Serve config sets them (its first
+    application's args, defaults filled by ``AppArgs``), over ``base`` (the simulator-only
+    fields: KV layout, block size, prefill routing)."""
+    from deployments.args import AppArgs  # pydantic and Ray Serve's schema: only when asked
+
+    apps = (yaml.safe_load(Path(config).read_text()) or {}).get("applications") or []
+    if not apps:
+        raise ValueError(f"{config}: no applications")
+    args = AppArgs.model_validate(apps[0].get("args") or {})
+    e = args.engine
+    return dataclasses.replace(
+        base or EngineLimits(), max_batch_size=e.max_batch_size,
+        token_budget=e.prefill_token_budget, prefill_max_rows=e.prefill_max_batch_size,
+        batch_wait_s=args.prefill_batch_wait_s, prefill_chunk_tokens=e.prefill_chunk_tokens,
+        prefill_batch_tokens=e.prefill_batch_tokens, prefill_fairness_s=e.prefill_fairness_s,
+        local_prefill_threshold=args.local_prefill_threshold,
+        local_prefill_when_busy=args.local_prefill_when_busy,
+        prefill_busy_tokens=args.prefill_busy_tokens)
+
 
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"))
 
@@ -63,15 +88,18 @@ def compare_run(system: System, run: dict[str, Any], slos: dict[str, float]) -> 
 
 def validate(devices: dict[str, DeviceProfile], results: dict[str, str | Path],
              slos: dict[str, float] | None = None,
-             limits: EngineLimits | None = None, policy: str = "mixed") -> list[dict[str, Any]]:
+             limits: EngineLimits | dict[str, EngineLimits] | None = None,
+             policy: str = "mixed") -> list[dict[str, Any]]:
     """``results``: system kind (``split``/``colocated``) -> results.json path; ``limits``:
-    the engine's (default ``EngineLimits()``: this engine, paged KV); ``policy``: as
+    the engine's (default ``EngineLimits()``: this engine, paged KV), one for both kinds or
+    per kind (``limits_of_app`` of each run's serve config); ``policy``: as
     ``local_system``'s."""
     out = []
     for kind, path in results.items():
         data = json.loads(Path(path).read_text())
         run_slos = slos if slos is not None else data["config"].get("slos_ms") or {}
-        system = local_system(kind, devices, limits, policy)
+        kind_limits = limits.get(kind) if isinstance(limits, dict) else limits
+        system = local_system(kind, devices, kind_limits, policy)
         for run in data["runs"]:
             out.append({"system": kind, "slos_ms": run_slos,
                         **compare_run(system, run, run_slos)})

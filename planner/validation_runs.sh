@@ -6,8 +6,9 @@
 #   flock /tmp/splitserve-ray-cluster.lock planner/validation_runs.sh local
 #   flock /tmp/splitserve-ray-cluster.lock planner/validation_runs.sh local-colocated
 #
-# then `python -m planner validate --profile ... RESULTS.json` replays each run's
-# arrivals through the simulator. Knobs (environment): INPUT (prompt tokens, 256), OUTPUT
+# then `python -m planner validate --profile ... RESULTS.json --split-config
+# serve_configs/local.yaml` (or --colocated-config) replays each run's arrivals through the
+# simulator with that config's engine bounds and routing. Knobs (environment): INPUT (prompt tokens, 256), OUTPUT
 # (output tokens, 32), RATES ("0.3,0.6,0.9"), N (requests per rate, 30), OUT, PROFILE (1:
 # first profile the engine passes under the same lock, so the simulator sees the machine as the
 # runs do: $OUT/engine-profile.json, for validate --engine-profile). Before the runs, the

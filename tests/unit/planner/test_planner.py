@@ -372,7 +372,7 @@ def test_cli_simulate_runs(capsys):
 def test_cli_simulate_names_a_device_it_has_no_profile_for():
     """The CPU devices come from a measured profile: without one, a clear message, not a
     KeyError traceback."""
-    with pytest.raises(SystemExit, match="no device profile cpu-1t .*--profile"):
+    with pytest.raises(SystemExit, match=r"no device profile cpu-1t .*--profile"):
         planner_main(["simulate", "--num-requests", "5"])
 
 
@@ -947,6 +947,35 @@ def test_split_defaults_are_the_apps():
                                                "prefill_token_budget": 1024}})
     assert EngineLimits(prefill_chunk_tokens=2048, token_budget=1024).busy_prefill_tokens \
         == other.busy_prefill_tokens
+
+
+def test_validate_models_each_app_as_its_serve_config_sets_it(tmp_path, capsys):
+    """``limits_of_app``: the engine bounds and the split's routing of a Serve config (the
+    shipped ones: local.yaml's passes of a few chats, the colocated app's up to the chunk),
+    over the simulator-only fields given; the CLI replays each app with its own."""
+    from pathlib import Path
+
+    from planner.validate import limits_of_app
+
+    root = Path(__file__).resolve().parents[3] / "serve_configs"
+    split = limits_of_app(root / "local.yaml", EngineLimits(kv_layout="inplace"))
+    colocated = limits_of_app(root / "local-colocated.yaml")
+    assert split.prefill_batch_tokens == 128 and colocated.prefill_batch_tokens is None
+    assert split.kv_layout == "inplace"  # kept from the base
+    cfg = tmp_path / "app.yaml"
+    cfg.write_text("applications:\n  - name: a\n    import_path: x:y\n    args:\n"
+                   "      engine: {prefill_chunk_tokens: 512, max_batch_size: 4}\n"
+                   "      local_prefill_when_busy: 0\n      prefill_batch_wait_s: 0.02\n")
+    lim = limits_of_app(cfg)
+    assert (lim.prefill_chunk_tokens, lim.max_batch_size, lim.local_prefill_when_busy,
+            lim.batch_wait_s) == (512, 4, 0, 0.02)
+    assert lim.token_budget == EngineLimits().token_budget  # unset: the engine's default
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications:\n  - args: {bogus: 1}\n")
+    with pytest.raises(SystemExit):
+        planner_main(["validate", "--profile", "p.json", "--split", "r.json",
+                      "--split-config", str(bad)])
+    assert "--split-config" in capsys.readouterr().err
 
 
 _FAR = dict(prefill_base=0.0, prefill_per_token=0.001, step=0.02, hop_latency=5.0)
