@@ -36,7 +36,7 @@ _REPORT_S = 30.0
 logger = logging.getLogger(__name__)
 
 
-def _machine_busy_s(stat: Path) -> float | None:
+def machine_busy_s(stat: Path) -> float | None:
     """CPU seconds the whole machine has spent busy (all but idle and iowait), or None."""
     try:
         fields = stat.read_text().split("\n", 1)[0].split()
@@ -66,7 +66,7 @@ class IdleCores:
         self.totals = {"decisions": 0, "wider": 0, "others_cores": 0.0}
 
     def _sample(self) -> tuple[float, float | None, float]:
-        return time.monotonic(), _machine_busy_s(self.stat), time.process_time()
+        return time.monotonic(), machine_busy_s(self.stat), time.process_time()
 
     def others_busy(self, before, after) -> float | None:
         """Cores the rest of the machine kept busy between two samples, or None."""

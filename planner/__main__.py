@@ -226,6 +226,10 @@ def _add_validate_parser(sub: Any) -> None:
                     "and per-request overhead are added to cpu-1t")
     pv.add_argument("--stack-colocated", default=None,
                     help="stack JSON measured on the colocated app, added to cpu-2t")
+    pv.add_argument("--own-cores", action="store_true",
+                    help="model the split's phases on a core each, the stack aside (by "
+                    "default, where --stack-split has CPU figures, the phases and the stack "
+                    "share the machine's cores: SplitSystem.shared_cores)")
     _kv_layout_arg(pv, default="paged")
     pv.add_argument("--policy", choices=("mixed", "interleave"), default="mixed",
                     help="the colocated replica's (and the split's decode replicas'): mixed = "
@@ -305,7 +309,10 @@ def _cmd_validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
             per_kind[kind] = (validate.limits_of_app(config, limits) if config else limits)
         except (OSError, ValueError) as exc:
             ap.error(f"--{kind}-config: {exc}")
-    comps = validate.validate(_validation_devices(args), results, slos, per_kind, args.policy)
+    devices = _validation_devices(args)
+    cores, cpu_per_token = _shared_cores(args)
+    comps = validate.validate(devices, results, slos, per_kind, args.policy, cores,
+                              cpu_per_token)
     print(validate.table(comps))
     if args.json:
         Path(args.json).write_text(json.dumps(comps, indent=1))
@@ -329,6 +336,27 @@ def _validation_devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
         if path:
             devices[name] = _with_stack(devices[name], name, path, hop)
     return devices
+
+
+def _shared_cores(args: argparse.Namespace) -> tuple[float | None, float]:
+    """The split's machine (``SplitSystem.shared_cores``) and its stack's CPU per streamed
+    token, from ``--stack-split``'s CPU figures and the engine profile; (None, 0) with
+    ``--own-cores`` or a stack file without them."""
+    from planner.profile import load_devices, stack_cpu_per_token
+
+    if args.own_cores or not args.stack_split:
+        return None, 0.0
+    stack = json.loads(Path(args.stack_split).read_text())
+    engine = load_devices(args.profile)["cpu-1t"]
+    for path in args.engine_profile:
+        engine = load_devices(path).get("cpu-1t", engine)
+    per_token = stack_cpu_per_token(engine.slowed(args.slowdown), stack)
+    if per_token is None or not stack.get("cores"):
+        print(f"{args.stack_split} has no CPU figures: the split's phases get a core each")
+        return None, 0.0
+    print(f"split: its phases and the serving stack share {stack['cores']} cores; the stack "
+          f"takes {per_token * 1000:.1f} ms of CPU per streamed token")
+    return float(stack["cores"]), per_token
 
 
 def _with_stack(device: DeviceProfile, name: str, path: str, hop: bool) -> DeviceProfile:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import time
@@ -216,6 +217,7 @@ def measure_stack(base_url: str, *, concurrency: Sequence[int] = STACK_CONCURREN
     import asyncio
 
     from app.config import DEFAULT_MODEL, EngineConfig
+    from app.idle_cores import machine_busy_s
     from app.model_loader import load_tokenizer
     from load_tests.loadgen import LoadPlan, Stream, run_load
     from load_tests.metrics import summarize
@@ -234,17 +236,44 @@ def measure_stack(base_url: str, *, concurrency: Sequence[int] = STACK_CONCURREN
             raise RuntimeError(f"stack profile: requests failed: {summary['errors']}")
         return summary
 
-    decode = []
+    decode, stat = [], Path("/proc/stat")
     for b in concurrency:
+        # the machine's CPU time over the run (every process: engines, stack, this client),
+        # from which ``stack_cpu_per_token`` takes the engines' own passes
+        wall0, busy0 = time.monotonic(), machine_busy_s(stat)
         s = run(f"name=d,input={input_len},output={output_len}", b, rounds * b)
-        decode.append({"batch": b, "span": input_len + output_len // 2,
-                       "tpot_s": s["tpot_ms"]["p50"] / 1000.0})
+        wall1, busy1 = time.monotonic(), machine_busy_s(stat)
+        point = {"batch": b, "span": input_len + output_len // 2,
+                 "tpot_s": s["tpot_ms"]["p50"] / 1000.0}
+        if busy0 is not None and busy1 is not None:
+            # the warm-up request (one, first) is in the window too
+            point.update(wall_s=wall1 - wall0, cpu_busy_s=busy1 - busy0,
+                         requests=rounds * b + 1, input_len=input_len,
+                         output_tokens=s["output_tokens"] + output_len)
+        decode.append(point)
     requests = []
     for n in prompt_lens:
         s = run(f"name=p,input={n},output=2", 1, 3)
         requests.append({"prompt_tokens": n, "ttft_s": s["ttft_ms"]["p50"] / 1000.0})
     return {"base_url": base_url, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "decode": decode, "requests": requests}
+            "cores": len(os.sched_getaffinity(0)), "decode": decode, "requests": requests}
+
+
+def stack_cpu_per_token(device: DeviceProfile, stack: dict[str, Any]) -> float | None:
+    """CPU seconds the serving stack (proxy, ingress, Ray, the client) spends per streamed
+    token on a machine it shares with the engines, from ``measure_stack``'s decode runs: the
+    machine's busy time less the engines' own (each request's prefill pass and its tokens'
+    decode steps at the run's batch, from ``device``), per token; the median over the runs.
+    None when the stack file has no CPU figures (taken before they were recorded)."""
+    per_token = []
+    for p in stack["decode"]:
+        if "cpu_busy_s" not in p or not p.get("output_tokens"):
+            continue
+        b, tokens = p["batch"], p["output_tokens"]
+        engines = (tokens / b * device.decode_s(b, p["span"])
+                   + p["requests"] * device.prefill_s(1, p["input_len"]))
+        per_token.append(max(0.0, p["cpu_busy_s"] - engines) / tokens)
+    return statistics.median(per_token) if per_token else None
 
 
 def stack_device(device: DeviceProfile, stack: dict[str, Any], *,

@@ -311,11 +311,22 @@ class SplitSystem:
     # how a decode replica runs the prompts it prefills itself (``DecodeServer``'s queue):
     # "mixed" (``engine.mixed_batch``, the default) | "interleave" (``mixed_batch: false``)
     decode_policy: str = "mixed"
+    # every replica and the serving stack on one machine of this many cores (local.yaml: a
+    # thread per phase), the stack taking ``stack_cpu_per_token_s`` of CPU per streamed
+    # token: a prefill pass gets an equal share of the cores the stack leaves, with the
+    # decode replicas that are busy when it starts, at most one core (``_SplitRun.
+    # _prefill_share``). None: each replica on hardware of its own (a fleet)
+    shared_cores: float | None = None
+    stack_cpu_per_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.decode_policy not in ("mixed", "interleave"):
             raise ValueError(f"unknown decode replica policy {self.decode_policy!r}; known: "
                              "mixed, interleave")
+        if self.shared_cores is not None and self.shared_cores <= 0:
+            raise ValueError("shared_cores must be > 0")
+        if self.stack_cpu_per_token_s < 0:
+            raise ValueError("stack_cpu_per_token_s must be >= 0")
 
     @property
     def price_per_hour(self) -> float:
@@ -934,6 +945,7 @@ class _SplitRun:
     def __init__(self, sysm: SplitSystem, clock: _Clock, finish: Callable[[_Seq], None]) -> None:
         self.sysm, self.limits, self.clock, self.finish = sysm, sysm.limits, clock, finish
         self.prefill_busy = [_Busy() for _ in range(sysm.num_prefill)]
+        self.passing = [False] * sysm.num_prefill  # a pass under way (``shared_cores``)
         self.prefills = [_PrefillQueue(sysm.prefill, sysm.limits)
                          for _ in range(sysm.num_prefill)]
         # DecodeServer: a decode loop and a prefill queue for the prompts prefilled locally
@@ -1023,13 +1035,33 @@ class _SplitRun:
         if not rows:
             q.idle = True
             return
-        cost = q.pass_s(rows)
+        cost = q.pass_s(rows) / self._prefill_share(i)
+        self.passing[i] = True
         self.prefill_busy[i].prefill_s += cost
         self.clock.at(self.clock.now + cost, lambda: self.prefill_end(i, rows))
+
+    def _prefill_share(self, i: int) -> float:
+        """The part of a core a prefill pass starting now runs on (``shared_cores``): the
+        cores less what the stack takes streaming the running sequences' tokens (each
+        decode replica's rows over its step), shared equally with the decode replicas that
+        and the other prefill replicas that are busy, at most one core; 1.0 on hardware of
+        one's own. Fixed for the pass."""
+        cores = self.sysm.shared_cores
+        if cores is None:
+            return 1.0
+        busy = 1 + sum(self.passing) - self.passing[i]
+        tokens_per_s = 0.0
+        for j, dec in enumerate(self.decode.decoders):
+            busy += self.decode.active[j]
+            if dec.running:
+                tokens_per_s += len(dec.running) / dec.step_cost()
+        left = max(cores - self.sysm.stack_cpu_per_token_s * tokens_per_s, 0.1 * cores)
+        return min(1.0, left / busy)
 
     def prefill_end(self, i: int, rows: list[_Req]) -> None:
         """Each prompt this pass finished leaves; each answer hops to decode on its own."""
         dev = self.sysm.prefill
+        self.passing[i] = False
         for r in self.prefills[i].advance(rows):
             hop = dev.hop_s(r.arrival.input_len * dev.kv_bytes_per_token)
             for s in _answers(r):

@@ -576,6 +576,53 @@ def test_stack_fit_adds_per_step_streaming_cost_and_request_overhead():
     assert rec.tpot_s > dev.decode_s(1, 70) + 0.007
 
 
+def test_stack_cpu_per_token_is_the_machines_busy_time_less_the_engines():
+    """``measure_stack``'s decode runs record the machine's CPU time; what the engines' own
+    passes (each request's prefill, its tokens' steps at the run's batch) do not account
+    for is the stack's, per streamed token; the median over the runs."""
+    from planner.profile import stack_cpu_per_token
+
+    dev = device(prefill_base=0.01, prefill_per_token=0.001, step=0.02)
+
+    def point(b, tokens, requests, per_token):
+        engines = tokens / b * 0.02 + requests * (0.01 + 0.064)
+        return {"batch": b, "span": 88, "tpot_s": 0.03, "wall_s": 5.0, "requests": requests,
+                "input_len": 64, "output_tokens": tokens,
+                "cpu_busy_s": engines + tokens * per_token}
+
+    stack = {"cores": 2, "decode": [point(1, 100, 3, 0.004), point(2, 200, 5, 0.006),
+                                    point(4, 400, 9, 0.005), {"batch": 8, "span": 88,
+                                                              "tpot_s": 0.05}]}
+    assert stack_cpu_per_token(dev, stack) == pytest.approx(0.005)
+    assert stack_cpu_per_token(dev, {"decode": [{"batch": 1, "span": 88, "tpot_s": 0.03}]}) \
+        is None
+
+
+def test_shared_cores_slow_a_prefill_pass_by_its_share_of_the_cores():
+    """``SplitSystem.shared_cores``: a prompt that arrives while a stream decodes gets its
+    pass on the cores the stack leaves (2 - 0.01 s x 50 tokens/s = 1.5), shared with the
+    busy decode replica: 0.75 of a core, so 1/0.75 of its own-core time. The first prompt,
+    alone on the machine, runs at full speed; without a stack two cores give both a core."""
+    dev = device(prefill_base=0.0, prefill_per_token=0.001, step=0.02)
+    lim = EngineLimits(batch_wait_s=0.0, local_prefill_when_busy=0)
+    arrivals = [Arrival(0.0, 100, 1000), Arrival(1.0, 500, 2)]
+
+    def ttfts(**kw):
+        recs = simulate(SplitSystem(dev, dev, 1, 1, lim, **kw), arrivals).records
+        return [r.ttft_s for r in recs]
+
+    own = ttfts()
+    assert own == pytest.approx([0.1, 0.5], abs=1e-3)
+    shared = ttfts(shared_cores=2.0, stack_cpu_per_token_s=0.01)
+    assert shared[0] == pytest.approx(own[0], abs=1e-6)
+    assert shared[1] == pytest.approx(0.5 / 0.75, abs=2e-3)
+    assert ttfts(shared_cores=2.0) == pytest.approx(own, abs=1e-6)
+    # one core for both phases: the pass gets half of it even with no stack
+    assert ttfts(shared_cores=1.0)[1] == pytest.approx(1.0, abs=2e-3)
+    with pytest.raises(ValueError, match="shared_cores"):
+        SplitSystem(dev, dev, shared_cores=0.0)
+
+
 # ---- chunked prefill, prefix cache, several answers (issue 14) ----------------------------
 
 
