@@ -58,12 +58,12 @@ class IdleCores:
         self.cores = len(os.sched_getaffinity(0))
         self.threads = base
         self._last = self._sample()
-        # since the last report: decisions, those above base, the others' load summed
+        # since start: decisions on a load sample, those above base, the others' load summed
         self.decisions = self.wider = 0
         self.others_total = 0.0
+        # when the log last reported, and the three counts then
         self._reported = self._last[0]
-        # since start, for the replica's stats: decisions, those above base, passes' threads
-        self.totals = {"decisions": 0, "wider": 0, "others_cores": 0.0}
+        self._reported_counts = (0, 0, 0.0)
 
     def _sample(self) -> tuple[float, float | None, float]:
         return time.monotonic(), machine_busy_s(self.stat), time.process_time()
@@ -90,25 +90,23 @@ class IdleCores:
             self.decisions += 1
             self.wider += self.threads > self.base
             self.others_total += others
-            self.totals["decisions"] += 1
-            self.totals["wider"] += self.threads > self.base
-            self.totals["others_cores"] += others
-        if now[0] - self._reported >= _REPORT_S and self.decisions:
+        d0, w0, o0 = self._reported_counts
+        decisions = self.decisions - d0
+        if now[0] - self._reported >= _REPORT_S and decisions:
             logger.info("prefill passes: %d of %d decisions in the last %.0f s took idle cores "
-                        "(the rest of the machine used %.2f cores on average)", self.wider,
-                        self.decisions, now[0] - self._reported,
-                        self.others_total / self.decisions)
-            self.decisions = self.wider = 0
-            self.others_total = 0.0
+                        "(the rest of the machine used %.2f cores on average)",
+                        self.wider - w0, decisions, now[0] - self._reported,
+                        (self.others_total - o0) / decisions)
             self._reported = now[0]
+            self._reported_counts = (self.decisions, self.wider, self.others_total)
         return self.threads
 
     def stats(self) -> dict[str, float]:
         """Since start: passes decided on a load sample, those that took idle cores, and the
         cores the rest of the machine used on average before them."""
-        n = self.totals["decisions"]
-        return {"idle_core_decisions": n, "idle_core_wider_passes": self.totals["wider"],
-                "idle_core_others_mean": self.totals["others_cores"] / n if n else 0.0}
+        n = self.decisions
+        return {"idle_core_decisions": n, "idle_core_wider_passes": self.wider,
+                "idle_core_others_mean": self.others_total / n if n else 0.0}
 
     @contextmanager
     def pass_threads(self):

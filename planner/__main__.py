@@ -309,8 +309,9 @@ def _cmd_validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
             per_kind[kind] = (validate.limits_of_app(config, limits) if config else limits)
         except (OSError, ValueError) as exc:
             ap.error(f"--{kind}-config: {exc}")
-    devices = _validation_devices(args)
-    cores, cpu_per_token = _shared_cores(args)
+    engines = _engine_devices(args)
+    devices = _validation_devices(engines, args)
+    cores, cpu_per_token = _shared_cores(args, engines.get("cpu-1t"))
     comps = validate.validate(devices, results, slos, per_kind, args.policy, cores,
                               cpu_per_token)
     print(validate.table(comps))
@@ -319,9 +320,9 @@ def _cmd_validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _validation_devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
+def _engine_devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
     """The measured devices, with the engine fits of ``--engine-profile``, slowed by
-    ``--slowdown``, plus the serving stacks of ``--stack-split`` / ``--stack-colocated``."""
+    ``--slowdown``: the engines alone, no serving stack."""
     from planner.profile import load_devices
 
     devices = load_devices(args.profile)
@@ -330,7 +331,14 @@ def _validation_devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
             if name in devices:
                 devices[name] = dataclasses.replace(devices[name], prefill=dev.prefill,
                                                     decode=dev.decode)
-    devices = {n: d.slowed(args.slowdown) for n, d in devices.items()}
+    return {n: d.slowed(args.slowdown) for n, d in devices.items()}
+
+
+def _validation_devices(engines: dict[str, DeviceProfile],
+                        args: argparse.Namespace) -> dict[str, DeviceProfile]:
+    """``engines`` (``_engine_devices``) plus the serving stacks of ``--stack-split`` /
+    ``--stack-colocated``."""
+    devices = dict(engines)
     for name, path, hop in (("cpu-1t", args.stack_split, True),
                             ("cpu-2t", args.stack_colocated, False)):
         if path:
@@ -338,19 +346,17 @@ def _validation_devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
     return devices
 
 
-def _shared_cores(args: argparse.Namespace) -> tuple[float | None, float]:
+def _shared_cores(args: argparse.Namespace,
+                  engine: DeviceProfile | None) -> tuple[float | None, float]:
     """The split's machine (``SplitSystem.shared_cores``) and its stack's CPU per streamed
-    token, from ``--stack-split``'s CPU figures and the engine profile; (None, 0) with
-    ``--own-cores`` or a stack file without them."""
-    from planner.profile import load_devices, stack_cpu_per_token
+    token, from ``--stack-split``'s CPU figures and ``engine`` (its replicas' engine alone);
+    (None, 0) with ``--own-cores`` or a stack file without them."""
+    from planner.profile import stack_cpu_per_token
 
-    if args.own_cores or not args.stack_split:
+    if args.own_cores or not args.stack_split or engine is None:
         return None, 0.0
     stack = json.loads(Path(args.stack_split).read_text())
-    engine = load_devices(args.profile)["cpu-1t"]
-    for path in args.engine_profile:
-        engine = load_devices(path).get("cpu-1t", engine)
-    per_token = stack_cpu_per_token(engine.slowed(args.slowdown), stack)
+    per_token = stack_cpu_per_token(engine, stack)
     if per_token is None or not stack.get("cores"):
         print(f"{args.stack_split} has no CPU figures: the split's phases get a core each")
         return None, 0.0

@@ -1043,9 +1043,9 @@ class _SplitRun:
     def _prefill_share(self, i: int) -> float:
         """The part of a core a prefill pass starting now runs on (``shared_cores``): the
         cores less what the stack takes streaming the running sequences' tokens (each
-        decode replica's rows over its step), shared equally with the decode replicas that
-        and the other prefill replicas that are busy, at most one core; 1.0 on hardware of
-        one's own. Fixed for the pass."""
+        decode replica's rows over its step), shared equally with the busy decode replicas
+        and the other prefill replicas mid-pass, at most one core; 1.0 on hardware of one's
+        own. Fixed for the pass."""
         cores = self.sysm.shared_cores
         if cores is None:
             return 1.0

@@ -8,8 +8,8 @@
 #
 # then `python -m planner validate --profile ... RESULTS.json --split-config
 # serve_configs/local.yaml` (or --colocated-config) replays each run's arrivals through the
-# simulator with that config's engine bounds and routing. Knobs (environment): INPUT (prompt tokens, 256), OUTPUT
-# (output tokens, 32), RATES ("0.3,0.6,0.9"), N (requests per rate, 30), OUT, PROFILE (1:
+# simulator with that config's engine bounds and routing. Knobs (environment): INPUT
+# (prompt tokens, 256), OUTPUT (output tokens, 32), RATES ("0.3,0.6,0.9"), N (requests per rate, 30), OUT, PROFILE (1:
 # first profile the engine passes under the same lock, so the simulator sees the machine as the
 # runs do: $OUT/engine-profile.json, for validate --engine-profile). Before the runs, the
 # serving stack is timed on the live app ($OUT/stack.json, for validate --stack-split or
