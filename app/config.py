@@ -107,8 +107,8 @@ class EngineConfig:
     # use), "onednn" (oneDNN's blocked layout for 2+ rows), "auto" (panels where it builds)
     linear_layout: str = "auto"
     # CPU, float32 KV: decode attention reads each row's keys and values where they lie in
-    # the paged pool (the engine's kernel, app/csrc/paged_attention.c), and on an AVX-512 CPU
-    # prefill passes and prompt chunks attend through app/csrc/prefill_attention.c;
+    # the paged pool (the engine's kernel, app/csrc/paged_attention.c), and prefill passes
+    # and prompt chunks attend through app/csrc/prefill_attention.c;
     # False: gather + SDPA, and the model's SDPA for prefill
     cpu_attention_kernel: bool = True
     # a Llama-style model with panel-packed linears and in-place attention: each decode step's

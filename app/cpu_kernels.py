@@ -19,7 +19,8 @@ costs about 0.35 ms for 8 rows of 64 positions.
 They are plain C with AVX2 and FMA intrinsics. The panel kernel also has AVX-512 tiles, chosen
 at run time where the CPU has AVX-512: products of four rows or more, a prefill's included,
 run about 1.5-1.9x faster on a Zen 5 core, bit for bit the same. Prefill attention
-(``prefill_attention.c``) is AVX-512 only; without it prefill attends through torch's SDPA.
+(``prefill_attention.c``) takes the same choice: zmm where the CPU has AVX-512, else the
+same panels and blocks in ymm halves.
 They are compiled here with the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang``) into ``<cache_dir>/kernels/`` under a name that
 hashes the source and flags, so a replica that restarts loads the built library. Where the
@@ -120,6 +121,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.panel_has_avx512.argtypes = []
     lib.panel_set_avx512.restype = ctypes.c_int
     lib.panel_set_avx512.argtypes = [ctypes.c_int]
+    lib.panel_uses_avx512.restype = ctypes.c_int
+    lib.panel_uses_avx512.argtypes = []
     lib.panel_linear.restype = None
     lib.panel_linear.argtypes = [ptr, size, size, ptr, size, ptr, ptr, ctypes.c_int]
     lib.paged_decode_attention.restype = ctypes.c_int

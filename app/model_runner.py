@@ -142,7 +142,7 @@ class ModelRunner:
             self.dtype, [span.device for span in self.spans], self.shape.head_dim,
             config.resolved_cache_dir)
         self.inplace_attention = self.inplace_reason is None
-        # prefill passes (and mixed passes' chunks) attend through the engine's AVX-512 kernel
+        # prefill passes (and mixed passes' chunks) attend through the engine's kernel
         self.prefill_attention_reason = reason or prefill_attention_unavailable(
             self.dtype, [span.device for span in self.spans], self.shape.head_dim,
             config.resolved_cache_dir)

@@ -238,17 +238,15 @@ def inplace_attention_unavailable(cache_dtype: torch.dtype, devices, head_dim: i
 def prefill_attention_unavailable(dtype: torch.dtype, devices, head_dim: int,
                                   cache_dir=None) -> str | None:
     """Why prefill passes (and the chunks of mixed passes) cannot attend through the engine's
-    kernel (``app/csrc/prefill_attention.c``, AVX-512), or None when they can."""
+    kernel (``app/csrc/prefill_attention.c``: AVX-512 where the CPU has it, else AVX2), or
+    None when they can."""
     if any(torch.device(d).type != "cpu" for d in devices):
         return "the model is not on the CPU"
     if dtype != torch.float32:
         return "the model is not float32"
     if head_dim % 16 or head_dim > 256:
         return f"head_dim {head_dim} is not a multiple of 16 up to 256"
-    reason = kernel_unavailable(cache_dir)
-    if reason is None and not load_kernel().panel_has_avx512():
-        reason = "the CPU has no AVX-512"
-    return reason
+    return kernel_unavailable(cache_dir)
 
 
 def _kernel_serves(query, key, kwargs) -> bool:

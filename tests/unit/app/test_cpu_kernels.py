@@ -49,7 +49,7 @@ def test_a_fresh_cache_dir_builds_the_library_there_and_reports_the_build_time(
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("n", "k", "bias"), [(96, 64, True), (200, 77, False), (16, 576, True),
-                                              (7, 33, True), (1040, 48, False)])
+                                              (7, 33, True), (1040, 48, False), (48, 700, True)])
 @torch.inference_mode()
 def test_products_equal_f_linear(n, k, bias, threads):
     linear = _linear(n, k, bias)
@@ -70,11 +70,14 @@ def test_products_equal_f_linear(n, k, bias, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("k", [576, 700])
 @torch.inference_mode()
-def test_a_row_is_bit_for_bit_the_same_in_any_batch_and_on_any_threads():
-    linear = _linear(1536, 576, True, seed=4)
+def test_a_row_is_bit_for_bit_the_same_in_any_batch_and_on_any_threads(k):
+    """Also across the paths: more than 48 rows with k over 256 go through k in slices
+    (three of 192 at 576, three of 234 and 232 at 700), fewer through whole panels."""
+    linear = _linear(1536, k, True, seed=4)
     panel = PanelLinear(linear)
-    batch = torch.randn(60, 576)
+    batch = torch.randn(60, k)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

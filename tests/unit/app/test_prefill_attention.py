@@ -1,7 +1,7 @@
-"""Prefill attention in the engine's AVX-512 kernel (app/csrc/prefill_attention.c): the
-attention torch's SDPA gives under the same masks (causal, after a cached or earlier-chunk
-past, rows of a padded batch), through the model runner's prefill and mixed passes, and a clear
-reason where it does not apply."""
+"""Prefill attention in the engine's kernel (app/csrc/prefill_attention.c, its AVX2 path and,
+where the CPU has it, its AVX-512 one): the attention torch's SDPA gives under the same masks
+(causal, after a cached or earlier-chunk past, rows of a padded batch), through the model
+runner's prefill and mixed passes, and a clear reason where it does not apply."""
 
 from __future__ import annotations
 
@@ -15,10 +15,27 @@ from app.model_runner import ModelRunner
 from app.paged_attention import _kernel_prefill_attention, prefill_attention_unavailable
 from tests.conftest import make_tiny_model
 
-_REASON = (cpu_kernels.cpu_unsupported() or cpu_kernels.kernel_unavailable()
-           or (None if cpu_kernels.load_kernel().panel_has_avx512()
-               else "this CPU has no AVX-512: prefill attends through the model's SDPA"))
+_REASON = cpu_kernels.cpu_unsupported() or cpu_kernels.kernel_unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
+
+
+def _paths() -> list[int]:
+    """The kernel's paths this CPU runs (``panel_set_avx512``): 0 = AVX2, 1 = AVX-512."""
+    return [0, 1] if _REASON is None and cpu_kernels.load_kernel().panel_has_avx512() else [0]
+
+
+def _on_each_path(compute):
+    """``compute()`` once per path this CPU runs, the AVX-512 one (where there is one) left in
+    force afterwards, as the kernel decides by itself."""
+    lib = cpu_kernels.load_kernel()
+    try:
+        outs = []
+        for wide in _paths():
+            assert lib.panel_set_avx512(wide) == wide
+            outs.append(compute())
+        return outs
+    finally:
+        lib.panel_set_avx512(1)
 
 
 def _reference(q, k, v, starts, pmax, scale):
@@ -50,12 +67,14 @@ def test_the_kernel_gives_sdpa_under_the_same_mask(threads, head_dim, heads, kv_
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = _kernel_prefill_attention(q, k, v, torch.tensor(starts), pmax, None)
+        outs = _on_each_path(
+            lambda: _kernel_prefill_attention(q, k, v, torch.tensor(starts), pmax, None))
     finally:
         torch.set_num_threads(before)
-    assert out.shape == (bsz, seq, heads, head_dim)
-    torch.testing.assert_close(out, _reference(q, k, v, starts, pmax, scale),
-                               rtol=1e-4, atol=1e-5)
+    reference = _reference(q, k, v, starts, pmax, scale)
+    for out in outs:
+        assert out.shape == (bsz, seq, heads, head_dim)
+        torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
 
 
 @torch.inference_mode()
@@ -65,11 +84,13 @@ def test_the_padded_past_between_a_rows_own_and_the_new_tokens_is_never_read():
     torch.manual_seed(1)
     q = torch.randn(2, 4, 9, 16)
     k, v = torch.randn(2, 2, 46, 16), torch.randn(2, 2, 46, 16)
-    clean = _kernel_prefill_attention(q, k, v, torch.tensor([5, 37]), 37, None)
+    run = lambda: _kernel_prefill_attention(q, k, v, torch.tensor([5, 37]), 37, None)  # noqa: E731
+    clean = _on_each_path(run)
     k[0, :, 5:37] = float("nan")
     v[0, :, 5:37] = float("nan")
-    dirty = _kernel_prefill_attention(q, k, v, torch.tensor([5, 37]), 37, None)
-    assert torch.equal(clean, dirty)
+    dirty = _on_each_path(run)
+    for a, b in zip(clean, dirty, strict=True):
+        assert torch.equal(a, b)
 
 
 def _runner(kernel: bool) -> ModelRunner:
