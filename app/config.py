@@ -86,6 +86,13 @@ class EngineConfig:
     prefill_batch_tokens: int | None = None
     # a prompt that has waited this long leads every other prefill pass
     prefill_fairness_s: float = 5.0
+    # a prefill replica runs up to this many passes at once, each on an engine thread of its
+    # own, the extra ones on one torch thread each at the lowest CPU priority (nice 19), no
+    # pass of them taking idle cores (prefill_max_threads): where the phases share a
+    # machine, a second prompt's pass takes what the decode replica and the serving stack
+    # leave of their core, with no OpenMP barrier between the two passes' threads
+    # (deployments.replica.PrefillQueue); 1: one pass at a time
+    prefill_lanes: int = 1
     # a prefill pass runs this many layers at a time, and between two runs a prompt that
     # arrived meanwhile and needs at most half the pass's tokens gets its own pass
     # first (deployments.replica.PrefillQueue); 0: passes run whole
@@ -141,7 +148,7 @@ class EngineConfig:
         if self.prefill_max_threads is not None and self.prefill_max_threads < 1:
             raise ValueError(f"prefill_max_threads must be >= 1, got {self.prefill_max_threads}")
         for name in ("max_batch_size", "max_kv_tokens", "max_waiting", "prefill_token_budget",
-                     "prefill_max_batch_size", "prefill_chunk_tokens"):
+                     "prefill_max_batch_size", "prefill_chunk_tokens", "prefill_lanes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.linear_layout not in LINEAR_LAYOUTS:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
@@ -35,11 +37,27 @@ def apply_thread_setting(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
+LANE_NICE = 19  # an extra lane's thread: the lowest CPU priority
+
+
+def _extra_lane_init() -> None:
+    """An extra lane's thread: one torch thread (no OpenMP team of its own), and the
+    lowest CPU priority, so its pass takes the cycles others leave (raising one's own
+    niceness needs no privilege; where the OS refuses, the thread keeps its priority)."""
+    torch.set_num_threads(1)
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICE)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        pass
+
+
 class EngineCore:
     """Model, runner and fingerprint: what both phases load.
 
     One thread of its own (``thread``) loads the model and runs every forward pass, and
-    ``run`` is how async code reaches it. Torch's OpenMP pool belongs to the thread that
+    ``run`` is how async code reaches it. A prefill replica with ``prefill_lanes`` > 1 also
+    runs passes on extra lanes (``run(..., lane=i)``), each a thread of its own on one torch
+    thread at the lowest CPU priority. Torch's OpenMP pool belongs to the thread that
     calls it: once two threads of a process have run parallel ops, there are more pool
     threads than cores and every parallel region wakes its workers the slow way (what that
     cost a decode step: BENCHMARKS.md, "Split vs colocated").
@@ -49,6 +67,7 @@ class EngineCore:
         apply_thread_setting(config.num_threads)
         self.config = config
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._lanes = [self.thread]
         if model is None:
             self.model = self.thread.submit(load_model, config).result()
             self.fingerprint = self.thread.submit(
@@ -60,9 +79,17 @@ class EngineCore:
             self.fingerprint = fingerprint(model).as_str()
         self.runner = ModelRunner(self.model, config)
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the engine's thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+    def lane(self, index: int) -> ThreadPoolExecutor:
+        """Engine thread ``index``: 0 is ``thread``, the others are made on first use."""
+        while len(self._lanes) <= index:
+            self._lanes.append(ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"engine-lane{len(self._lanes)}",
+                initializer=_extra_lane_init))
+        return self._lanes[index]
+
+    async def run(self, fn: Callable[..., T], *args: Any, lane: int = 0) -> T:
+        """``fn(*args)`` on the engine's thread (or on extra lane ``lane``)."""
+        return await asyncio.get_running_loop().run_in_executor(self.lane(lane), fn, *args)
 
     def make_prefiller(self, eos_token_ids: frozenset[int] = frozenset()) -> Prefiller:
         """A prefiller with its own prefix cache (``prefix_cache_mb``; none when 0).

@@ -30,7 +30,9 @@ Which prompts share a pass (``Prefiller.plan_pass``):
 
 Threads: a pass runs on the engine's ``num_threads``, or, with ``prefill_max_threads``, on as
 many more as the rest of the machine leaves cores idle (``app.idle_cores``: where the phases
-share one machine, the decode replica's core while no stream runs).
+share one machine, the decode replica's core while no stream runs). With ``prefill_lanes``,
+a prefill replica runs several passes at once instead, each on a thread of its own
+(``deployments.replica.PrefillQueue``, ``advance(..., alone=False)``).
 
 ``make_packages`` runs a list of prompts to completion (tests, benchmarks, the local
 engine); a server drives ``new_job`` / ``plan_pass`` / ``run_pass`` itself so that prompts
@@ -284,16 +286,20 @@ class Prefiller:
         return PassInProgress(rows, [len(c) for c in chunks], steps,
                               sum(len(c) for c in chunks))
 
-    def advance(self, run: PassInProgress,
-                layers: int | None = None) -> list[KVPackage | None] | None:
+    def advance(self, run: PassInProgress, layers: int | None = None, *,
+                alone: bool = True) -> list[KVPackage | None] | None:
         """Run ``layers`` more of the pass's layers (None: the rest), under the runner's lock
         and on the pass's threads; once it has run its last, the rows advance as in
         :meth:`run_pass` and their packages are returned, else None. Between two calls
-        another pass may run (a short prompt that should not wait for this one)."""
+        another pass may run (a short prompt that should not wait for this one).
+
+        ``alone=False``: other passes run at the same time, each on a thread of its own
+        (a prefill replica's lanes): no runner lock (a pass shares nothing with another
+        but the model's weights) and no idle cores taken (their threads are busy)."""
         began = time.perf_counter()
         target = None if layers is None else run.layers_done + layers
-        with (self.idle_cores.pass_threads() if self.idle_cores else nullcontext()), \
-                self.runner.lock:
+        with (self.idle_cores.pass_threads() if self.idle_cores and alone else nullcontext()), \
+                (self.runner.lock if alone else nullcontext()):
             while target is None or run.layers_done < target:
                 try:
                     run.layers_done = next(run.steps)

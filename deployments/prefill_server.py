@@ -37,7 +37,8 @@ class PrefillServer:
         self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
                                      PrefillMetrics(self.args.model_name),
                                      on_batch=self.throughput.add,
-                                     eos_token_ids=model_eos_token_ids(self.core))
+                                     eos_token_ids=model_eos_token_ids(self.core),
+                                     lanes=self.core.config.prefill_lanes)
         self.node_id = ray.get_runtime_context().get_node_id()
 
     async def make_kv_package(self, req: PrefillRequest) -> KVPackage:

@@ -4,6 +4,7 @@ replica's identity, health check and fault injection."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -112,8 +113,13 @@ class PrefillQueue:
 
     def __init__(self, core: EngineCore, wait_s: float, metrics: PrefillMetrics,
                  on_batch: Callable[[int, int, float], None] | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), lanes: int = 1) -> None:
         self.core = core
+        # passes at once, each on an engine lane of its own (a prefill replica's
+        # prefill_lanes; a queue whose engine also decodes keeps to one)
+        self.lanes = lanes
+        self._running: dict[int, asyncio.Task] = {}  # lane -> the pass task running there
+        self.lane_passes = 0  # passes started on an extra lane (beside another)
         self.prefiller = core.make_prefiller(eos_token_ids)
         self.wait_s = wait_s  # how long a first arrival waits for company
         self.metrics = metrics
@@ -193,6 +199,9 @@ class PrefillQueue:
         self.metrics.record_waiting(self.waiting_tokens, self.waiting_requests)
 
     async def _run(self) -> None:
+        if self.lanes > 1 and self.decode is None:
+            await self._run_lanes()
+            return
         while True:
             if self.decode is not None and self.decode.busy:
                 # the decode loop's steps take the chunks; it wakes us once it is idle
@@ -213,25 +222,64 @@ class PrefillQueue:
                 continue
             await self._pass(rows, self.core.config.prefill_preempt_layers or None)
 
-    async def _pass(self, rows: list[PrefillJob], layers: int | None) -> None:
-        """Run one pass over ``rows``, ``layers`` layers at a time (None: whole). Between two
-        runs of layers, prompts that arrived meanwhile and need at most half of this
-        pass's tokens get a (whole) pass of their own first: a chat waits for a few layers
-        of a document's chunk, not for all of them. One such pass per pause, so the long
-        pass advances between any two."""
+    async def _run_lanes(self) -> None:
+        """``lanes`` passes at once: whenever a lane is free and a prompt is not in a pass,
+        the next pass starts there (``plan_pass``'s order), so a second document's chunk
+        runs beside the first's instead of after it, and a chat that arrives while every
+        lane is busy waits for a pause between layers (``_pass``)."""
+        layers = self.core.config.prefill_preempt_layers or None
+        while True:
+            free = [i for i in range(self.lanes) if i not in self._running]
+            rows: list[PrefillJob] = []
+            if free:
+                try:
+                    rows = self.prefiller.plan_pass(self._free_jobs())
+                except Exception as exc:  # never leave a caller waiting on a stopped queue
+                    logger.exception("prefill planning failed; failing the queued prompts")
+                    for job in [j for j in self.jobs if id(j) not in self._in_flight]:
+                        self._finish(job, exc=exc)
+            if rows:
+                lane = free[0]
+                self.lane_passes += lane > 0
+                self._in_flight.update(id(j) for j in rows)  # before the task first runs
+                task = asyncio.create_task(self._pass(rows, layers, lane))
+                self._running[lane] = task
+                task.add_done_callback(lambda _t, lane=lane: self._lane_done(lane))
+                continue
+            idle = not self._running
+            self._wake.clear()
+            await self._wake.wait()
+            if idle:
+                await asyncio.sleep(self.wait_s)  # let prompts that arrive together share
+
+    def _lane_done(self, lane: int) -> None:
+        self._running.pop(lane, None)
+        self._wake.set()
+
+    async def _pass(self, rows: list[PrefillJob], layers: int | None, lane: int = 0) -> None:
+        """Run one pass over ``rows`` on engine lane ``lane``, ``layers`` layers at a time
+        (None: whole). Between two runs of layers, prompts that arrived meanwhile and need
+        at most half of this pass's tokens get a (whole) pass of their own first: a chat
+        waits for a few layers of a document's chunk, not for all of them. One such pass
+        per pause, so the long pass advances between any two. With several lanes, a pass
+        runs alone (runner lock, idle cores) only while no other lane has one."""
         before = [j.remaining for j in rows]
         self._in_flight.update(id(j) for j in rows)
         try:
-            run = await self.core.run(self.prefiller.start_pass, rows)
+            run = await self.core.run(self.prefiller.start_pass, rows, lane=lane)
             while True:
-                packages = await self.core.run(self.prefiller.advance, run, layers)
+                advance = self.prefiller.advance
+                if self.lanes > 1:
+                    advance = functools.partial(
+                        advance, alone=lane == 0 and len(self._running) <= 1)
+                packages = await self.core.run(advance, run, layers, lane=lane)
                 if packages is not None:
                     break
                 short = [j for j in self._free_jobs() if 2 * j.remaining <= run.tokens]
                 first = self.prefiller.plan_pass(short) if short else []
                 if first:
                     self.preemptions += 1
-                    await self._pass(first, None)
+                    await self._pass(first, None, lane)
             self._in_flight.difference_update(id(j) for j in rows)
             self._record_pass(rows, before, packages, run.busy_s)
         except Exception as exc:  # the pass failed: its prompts fail, the queue goes on
@@ -282,7 +330,10 @@ class PrefillQueue:
     def thread_stats(self) -> dict[str, float]:
         """How the passes' threads went (``prefill_max_threads``), or nothing when off."""
         idle = self.prefiller.idle_cores
-        return idle.stats() if idle is not None else {}
+        stats = idle.stats() if idle is not None else {}
+        if self.lanes > 1:
+            stats["extra_lane_passes"] = self.lane_passes
+        return stats
 
     def cache_stats(self) -> dict[str, float]:
         cache = self.prefiller.prefix_cache

@@ -196,10 +196,12 @@ def test_local_colocated_differs_from_local_only_in_the_split():
     # where the split's prefill passes take the decode replica's core while it is idle), and
     # the split's passes take two chats at a time (prefill_batch_tokens; the colocated app
     # served 30% fewer chat tokens with 64, BENCHMARKS.md section 7, so it keeps passes
-    # up to the chunk)
+    # up to the chunk), and the split's prefill replica runs two passes at once
+    # (prefill_lanes; the colocated engine's chunks ride in its decode steps instead)
     assert engine_split.prefill_batch_tokens == 128 and engine_colo.prefill_batch_tokens is None
+    assert engine_split.prefill_lanes == 2 and engine_colo.prefill_lanes == 1
     assert dataclasses.replace(engine_colo, num_threads=1, prefill_max_threads=2,
-                               prefill_batch_tokens=128) == engine_split
+                               prefill_batch_tokens=128, prefill_lanes=2) == engine_split
     assert split.engine_config("prefill").prefill_max_threads == 2
     assert colo.prefill_batch_wait_s == split.prefill_batch_wait_s
     # same total cores: one replica with 2 CPUs / 2 threads vs prefill 1 + decode 1

@@ -4,6 +4,7 @@ failure ends the callers' waits with the error instead of leaving them hanging."
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import numpy as np
@@ -19,8 +20,9 @@ from deployments.replica import PrefillQueue
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
 
-def _queue(model, **cfg) -> PrefillQueue:
-    return PrefillQueue(EngineCore(EngineConfig(**cfg), model=model), 0.0, PrefillMetrics("tiny"))
+def _queue(model, lanes: int = 1, **cfg) -> PrefillQueue:
+    return PrefillQueue(EngineCore(EngineConfig(**cfg), model=model), 0.0, PrefillMetrics("tiny"),
+                        lanes=lanes)
 
 
 def _req(rid: str, n: int) -> PrefillRequest:
@@ -133,3 +135,45 @@ async def test_passes_run_whole_with_preemption_off(tiny_model):
         run, layers)
     await asyncio.wait_for(queue.enqueue(_req("a", 20)), 60)
     assert calls == [None]
+
+
+async def test_two_lanes_run_two_documents_side_by_side_and_give_what_one_pass_gives(
+        tiny_model):
+    """prefill_lanes: 2: the second document's pass runs beside the first's, on an engine
+    thread of its own (one torch thread, nice 19), not after it; neither pass takes the
+    runner's lock or idle cores while the other runs; every package is the one a pass
+    alone gives; a chat that arrives while both lanes are busy is still computed."""
+    queue = _queue(tiny_model, lanes=2, prefix_cache_mb=0, prefill_chunk_tokens=16,
+                   prefill_preempt_layers=1)
+    refs = {rid: queue.prefiller.make_packages([_req(rid, n)])[0]
+            for rid, n in (("doc-a", 40), ("doc-b", 41), ("chat", 6))}
+    both_in = threading.Barrier(2, timeout=60)  # breaks unless the two passes overlap
+    seen: dict[str, tuple[str, int, bool]] = {}
+    real_advance = queue.prefiller.advance
+
+    def advance(run, layers=None, *, alone=True):
+        rid = run.rows[0].req.request_id
+        if rid not in seen:
+            seen[rid] = (threading.current_thread().name,
+                         os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), alone)
+            if rid.startswith("doc"):
+                both_in.wait()
+        return real_advance(run, layers, alone=alone)
+
+    queue.prefiller.advance = advance
+    docs = [asyncio.create_task(queue.enqueue(_req(rid, n)))
+            for rid, n in (("doc-a", 40), ("doc-b", 41))]
+    while len(seen) < 2:
+        await asyncio.sleep(0.01)
+    chat = asyncio.create_task(queue.enqueue(_req("chat", 6)))
+    pkgs = await asyncio.wait_for(asyncio.gather(*docs, chat), 120)
+    for rid, pkg in zip(("doc-a", "doc-b", "chat"), pkgs, strict=True):
+        assert pkg.first_token == refs[rid].first_token, rid
+        np.testing.assert_allclose(pkg.kv, refs[rid].kv, rtol=1e-5, atol=1e-6)
+    threads = {seen[rid][0].split("_")[0] for rid in ("doc-a", "doc-b")}
+    assert threads == {"engine", "engine-lane1"}
+    lane1 = next(v for v in seen.values() if v[0].startswith("engine-lane1"))
+    assert lane1[1] == 19
+    assert not seen["doc-a"][2] and not seen["doc-b"][2]  # side by side: neither alone
+    assert queue.lane_passes >= 1 and queue.thread_stats()["extra_lane_passes"] >= 1
+    assert queue.waiting_requests == 0 and queue.jobs == [] and not queue._running
