@@ -268,8 +268,14 @@ class EngineLimits:
     local_prefill_threshold: int = 0
     local_prefill_when_busy: int = 128
     prefill_busy_tokens: int | None = None
+    # prefill_lanes: a prefill replica runs up to this many passes at once, the extra lanes
+    # long prompts only (on hardware of its own they share its device:
+    # ``_SplitRun._prefill_share``)
+    prefill_lanes: int = 1
 
     def __post_init__(self) -> None:
+        if self.prefill_lanes < 1:
+            raise ValueError("prefill_lanes must be >= 1")
         if self.prefill_routing not in ("affinity", "least_loaded"):
             raise ValueError(f"unknown prefill routing {self.prefill_routing!r}")
         if self.local_prefill_threshold < 0 or self.local_prefill_when_busy < 0:
@@ -536,9 +542,10 @@ class _PrefillQueue:
         self._led_by_waiting = False
         return next(r for _, _, _, r in self._order if r not in busy)
 
-    def plan(self, now: float) -> list[_Req]:
-        """The prompts of the next pass (``Prefiller.plan_pass``); [] when none waits."""
-        head = self._head(now)
+    def plan(self, now: float, busy: Collection[_Req] = ()) -> list[_Req]:
+        """The prompts of the next pass (``Prefiller.plan_pass``); [] when none waits.
+        ``busy``: prompts in a pass under way on another lane (not planned again)."""
+        head = self._head(now, busy)
         if head is None:
             return []
         rows, chunks, pasts = [head], [self.chunk_of(head)], [head.done]
@@ -546,7 +553,7 @@ class _PrefillQueue:
             if (len(rows) >= self.limits.prefill_max_rows or scanned > _PLAN_SCAN
                     or self.limits.batch_full(sum(chunks))):
                 break
-            if r is head:
+            if r is head or r in busy:
                 continue
             c = self.chunk_of(r)
             padded = (len(rows) + 1) * max(max(chunks), c)
@@ -945,7 +952,9 @@ class _SplitRun:
     def __init__(self, sysm: SplitSystem, clock: _Clock, finish: Callable[[_Seq], None]) -> None:
         self.sysm, self.limits, self.clock, self.finish = sysm, sysm.limits, clock, finish
         self.prefill_busy = [_Busy() for _ in range(sysm.num_prefill)]
-        self.passing = [False] * sysm.num_prefill  # a pass under way (``shared_cores``)
+        self.passing = [0] * sysm.num_prefill  # passes under way per replica (its lanes)
+        self.in_pass: list[set[_Req]] = [set() for _ in range(sysm.num_prefill)]
+        self.lane_busy = [[False] * sysm.limits.prefill_lanes for _ in range(sysm.num_prefill)]
         self.prefills = [_PrefillQueue(sysm.prefill, sysm.limits)
                          for _ in range(sysm.num_prefill)]
         # DecodeServer: a decode loop and a prefill queue for the prompts prefilled locally
@@ -1028,28 +1037,43 @@ class _SplitRun:
             q.idle = False
             self.clock.at(self.clock.now + self.limits.batch_wait_s,
                           lambda: self.prefill_start(i))
+        elif 0 < self.passing[i] < self.limits.prefill_lanes:
+            # the queue's loop is awake (a pass runs): a free lane takes it at once
+            # (``PrefillQueue._run_lanes``)
+            self.prefill_start(i)
 
     def prefill_start(self, i: int) -> None:
+        """Passes on replica ``i``'s free lanes, while prompts in no pass wait."""
         q = self.prefills[i]
-        rows = q.plan(self.clock.now)
-        if not rows:
+        while self.passing[i] < self.limits.prefill_lanes:
+            lane = self.lane_busy[i].index(False)
+            busy: Collection[_Req] = self.in_pass[i]
+            if lane > 0:  # an extra lane takes long prompts only (at least half a chunk)
+                busy = busy | {e[3] for e in q._order if 2 * e[3].remaining < q.chunk_tokens}
+            rows = q.plan(self.clock.now, busy)
+            if not rows:
+                break
+            cost = q.pass_s(rows) / self._prefill_share(i)
+            self.passing[i] += 1
+            self.lane_busy[i][lane] = True
+            self.in_pass[i].update(rows)
+            self.prefill_busy[i].prefill_s += cost
+            self.clock.at(self.clock.now + cost,
+                          lambda rows=rows, lane=lane: self.prefill_end(i, rows, lane))
+        if not self.passing[i]:
             q.idle = True
-            return
-        cost = q.pass_s(rows) / self._prefill_share(i)
-        self.passing[i] = True
-        self.prefill_busy[i].prefill_s += cost
-        self.clock.at(self.clock.now + cost, lambda: self.prefill_end(i, rows))
 
     def _prefill_share(self, i: int) -> float:
         """The part of a core a prefill pass starting now runs on (``shared_cores``): the
         cores less what the stack takes streaming the running sequences' tokens (each
         decode replica's rows over its step), shared equally with the busy decode replicas
-        and the other prefill replicas mid-pass, at most one core; 1.0 on hardware of one's
-        own. Fixed for the pass."""
+        and the other passes under way (other replicas', this one's other lanes), at most
+        one core; on hardware of one's own 1.0, or that split equally between the replica's
+        passes under way (its lanes share its device). Fixed for the pass."""
         cores = self.sysm.shared_cores
         if cores is None:
-            return 1.0
-        busy = 1 + sum(self.passing) - self.passing[i]
+            return 1.0 / (1 + self.passing[i])
+        busy = 1 + sum(self.passing)
         tokens_per_s = 0.0
         for j, dec in enumerate(self.decode.decoders):
             busy += self.decode.active[j]
@@ -1058,10 +1082,12 @@ class _SplitRun:
         left = max(cores - self.sysm.stack_cpu_per_token_s * tokens_per_s, 0.1 * cores)
         return min(1.0, left / busy)
 
-    def prefill_end(self, i: int, rows: list[_Req]) -> None:
+    def prefill_end(self, i: int, rows: list[_Req], lane: int = 0) -> None:
         """Each prompt this pass finished leaves; each answer hops to decode on its own."""
         dev = self.sysm.prefill
-        self.passing[i] = False
+        self.passing[i] -= 1
+        self.lane_busy[i][lane] = False
+        self.in_pass[i].difference_update(rows)
         for r in self.prefills[i].advance(rows):
             hop = dev.hop_s(r.arrival.input_len * dev.kv_bytes_per_token)
             for s in _answers(r):

@@ -46,7 +46,7 @@ def limits_of_app(config: str | Path, base: EngineLimits | None = None) -> Engin
         prefill_batch_tokens=e.prefill_batch_tokens, prefill_fairness_s=e.prefill_fairness_s,
         local_prefill_threshold=args.local_prefill_threshold,
         local_prefill_when_busy=args.local_prefill_when_busy,
-        prefill_busy_tokens=args.prefill_busy_tokens)
+        prefill_busy_tokens=args.prefill_busy_tokens, prefill_lanes=e.prefill_lanes)
 
 
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"))

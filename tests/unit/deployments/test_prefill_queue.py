@@ -142,7 +142,8 @@ async def test_two_lanes_run_two_documents_side_by_side_and_give_what_one_pass_g
     """prefill_lanes: 2: the second document's pass runs beside the first's, on an engine
     thread of its own (one torch thread, nice 19), not after it; neither pass takes the
     runner's lock or idle cores while the other runs; every package is the one a pass
-    alone gives; a chat that arrives while both lanes are busy is still computed."""
+    alone gives; a chat that arrives while both lanes are busy is computed on lane 0 (the
+    extra lanes take long prompts only)."""
     queue = _queue(tiny_model, lanes=2, prefix_cache_mb=0, prefill_chunk_tokens=16,
                    prefill_preempt_layers=1)
     refs = {rid: queue.prefiller.make_packages([_req(rid, n)])[0]
@@ -175,5 +176,6 @@ async def test_two_lanes_run_two_documents_side_by_side_and_give_what_one_pass_g
     lane1 = next(v for v in seen.values() if v[0].startswith("engine-lane1"))
     assert lane1[1] == 19
     assert not seen["doc-a"][2] and not seen["doc-b"][2]  # side by side: neither alone
+    assert seen["chat"][0].startswith("engine_")
     assert queue.lane_passes >= 1 and queue.thread_stats()["extra_lane_passes"] >= 1
     assert queue.waiting_requests == 0 and queue.jobs == [] and not queue._running

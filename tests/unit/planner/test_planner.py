@@ -598,6 +598,39 @@ def test_stack_cpu_per_token_is_the_machines_busy_time_less_the_engines():
         is None
 
 
+def test_prefill_lanes_run_two_prompts_side_by_side_on_the_cores_they_share():
+    """``EngineLimits.prefill_lanes``: two 256-token prompts (one chunk each) that arrive
+    together run one after the other on one lane (TTFTs 0.256 and 0.512 s), side by side
+    on two: on a two-core machine with no stack, each pass on a core of its own (both
+    0.256 s); on a device of its own, the second lane's pass on half of it (0.512 s, the
+    first unslowed: a pass's share is fixed when it starts). A prompt that arrives while
+    one lane runs takes the free one at once, not after the running pass; a short one
+    waits for lane 0."""
+    dev = device(prefill_base=0.0, prefill_per_token=0.001, step=0.02)
+    arrivals = [Arrival(0.0, 256, 1), Arrival(0.0, 256, 1), Arrival(0.1, 256, 1)]
+
+    def ttfts(lanes, n=2, **kw):
+        lim = EngineLimits(batch_wait_s=0.0, local_prefill_when_busy=0, prefill_lanes=lanes)
+        recs = simulate(SplitSystem(dev, dev, 1, 1, lim, **kw), arrivals[:n]).records
+        return sorted(r.ttft_s for r in recs)
+
+    assert ttfts(1) == pytest.approx([0.256, 0.512], abs=2e-3)
+    assert ttfts(2, shared_cores=2.0) == pytest.approx([0.256, 0.256], abs=2e-3)
+    assert ttfts(2) == pytest.approx([0.256, 0.512], abs=2e-3)
+    # the third arrives at 0.1 s while one lane is free again only at 0.256: with three
+    # lanes on three cores it starts at once
+    assert ttfts(3, n=3, shared_cores=3.0) == pytest.approx([0.256, 0.256, 0.256], abs=2e-3)
+    assert ttfts(1, n=3)[-1] == pytest.approx(0.768 - 0.1, abs=2e-3)
+    # an extra lane takes long prompts only: two 64-token chats go one after the other
+    chats = [Arrival(0.0, 64, 1), Arrival(0.0, 64, 1)]
+    lim = EngineLimits(batch_wait_s=0.0, local_prefill_when_busy=0, prefill_lanes=2,
+                       prefill_batch_tokens=64)
+    recs = simulate(SplitSystem(dev, dev, 1, 1, lim, shared_cores=2.0), chats).records
+    assert sorted(r.ttft_s for r in recs) == pytest.approx([0.064, 0.128], abs=2e-3)
+    with pytest.raises(ValueError, match="prefill_lanes"):
+        EngineLimits(prefill_lanes=0)
+
+
 def test_shared_cores_slow_a_prefill_pass_by_its_share_of_the_cores():
     """``SplitSystem.shared_cores``: a prompt that arrives while a stream decodes gets its
     pass on the cores the stack leaves (2 - 0.01 s x 50 tokens/s = 1.5), shared with the
