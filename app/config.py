@@ -87,11 +87,11 @@ class EngineConfig:
     # a prompt that has waited this long leads every other prefill pass
     prefill_fairness_s: float = 5.0
     # a prefill replica runs up to this many passes at once, each on an engine thread of its
-    # own, the extra ones on one torch thread each at the lowest CPU priority (nice 19), no
-    # pass of them taking idle cores (prefill_max_threads): where the phases share a
-    # machine, a second prompt's pass takes what the decode replica and the serving stack
-    # leave of their core, with no OpenMP barrier between the two passes' threads
-    # (deployments.replica.PrefillQueue); 1: one pass at a time
+    # own, the extra ones on one torch thread each at the lowest CPU priority (nice 19) and
+    # for long prompts only, no pass taking idle cores (prefill_max_threads) while another
+    # runs: where the phases share a machine, a second document's pass takes what the
+    # decode replica and the serving stack leave of their core, with no OpenMP barrier
+    # between the two passes' threads (deployments.replica.PrefillQueue); 1: one at a time
     prefill_lanes: int = 1
     # a prefill pass runs this many layers at a time, and between two runs a prompt that
     # arrived meanwhile and needs at most half the pass's tokens gets its own pass
