@@ -277,8 +277,11 @@ class PrefillQueue:
             while True:
                 advance = self.prefiller.advance
                 if self.lanes > 1:
-                    advance = functools.partial(
-                        advance, alone=lane == 0 and len(self._running) <= 1)
+                    alone = lane == 0 and len(self._running) <= 1
+                    if not alone:  # no runner lock: an injected stall holds this pass too
+                        while id(self.core) in _STALL_ENDS:
+                            await asyncio.sleep(0.05)
+                    advance = functools.partial(advance, alone=alone)
                 packages = await self.core.run(advance, run, layers, lane=lane)
                 if packages is not None:
                     break

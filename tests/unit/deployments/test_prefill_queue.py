@@ -179,3 +179,19 @@ async def test_two_lanes_run_two_documents_side_by_side_and_give_what_one_pass_g
     assert seen["chat"][0].startswith("engine_")
     assert queue.lane_passes >= 1 and queue.thread_stats()["extra_lane_passes"] >= 1
     assert queue.waiting_requests == 0 and queue.jobs == [] and not queue._running
+
+
+async def test_an_injected_stall_holds_every_lane(tiny_model):
+    """The fault tests' stall holds the runner's lock, which passes beside another do not
+    take: they wait for the stall's end too, so a stalled replica computes nothing."""
+    import time
+
+    from deployments.replica import _stall
+
+    queue = _queue(tiny_model, lanes=2, prefix_cache_mb=0, prefill_chunk_tokens=16)
+    started = time.monotonic()
+    _stall(queue.core, 1.0)
+    pkgs = await asyncio.wait_for(asyncio.gather(queue.enqueue(_req("doc-a", 40)),
+                                                 queue.enqueue(_req("doc-b", 41))), 120)
+    assert time.monotonic() - started >= 1.0
+    assert [p.seq_len for p in pkgs] == [40, 41]
