@@ -53,9 +53,12 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "paged_attention.c", "decode_step.c",
                                           "prefill_attention.c"))
-HEADERS = (_CSRC / "vec_math.h",)
+HEADERS = (_CSRC / "vec_math.h", _CSRC / "panel_body.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 BUILD_TIMEOUT_S = 300.0
+
+# the kinds of weight a panel holds, as panel_gemm.c numbers them (panel_linear_w's wtype)
+WTYPES = {"float32": 0, "bfloat16": 1, "int8": 2}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -117,6 +120,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.panel_floats.argtypes = [size, size]
     lib.panel_pack.restype = None
     lib.panel_pack.argtypes = [ptr, size, size, size, ptr]
+    lib.panel_pack_bytes.restype = ctypes.c_int
+    lib.panel_pack_bytes.argtypes = [ptr, size, size, size, ptr, size]
     lib.panel_has_avx512.restype = ctypes.c_int
     lib.panel_has_avx512.argtypes = []
     lib.panel_set_avx512.restype = ctypes.c_int
@@ -125,6 +130,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.panel_uses_avx512.argtypes = []
     lib.panel_linear.restype = None
     lib.panel_linear.argtypes = [ptr, size, size, ptr, size, ptr, ptr, ctypes.c_int]
+    lib.panel_linear_w.restype = ctypes.c_int
+    lib.panel_linear_w.argtypes = [ptr, size, size, ptr, ctypes.c_int, ptr, size, ptr, ptr,
+                                   ctypes.c_int]
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, size, size, size, ptr, ptr, size,
                                            ctypes.c_float, ptr, ctypes.c_int]
@@ -136,7 +144,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_step.restype = ctypes.c_int
     lib.decode_step.argtypes = [ptr, size, size, ptr, size, size, size, size, size, ptr, ptr,
                                 ctypes.c_float, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr,
-                                size, ptr, ctypes.c_int]
+                                size, ptr, ctypes.c_int, ctypes.c_int, ptr]
     return lib
 
 

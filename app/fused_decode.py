@@ -27,7 +27,7 @@ import ctypes
 
 import torch
 
-from app.cpu_kernels import load_kernel
+from app.cpu_kernels import WTYPES, load_kernel
 from app.kv_cache import PagedKVCache
 from app.packed_linear import PanelLinear
 from app.paged_attention import PagedDecodeStep
@@ -59,6 +59,8 @@ def fused_decode_unavailable(model: torch.nn.Module, inplace_attention: bool) ->
     linears.append(model.lm_head)
     if not all(type(lin) is PanelLinear for lin in linears):
         return "the linear layers are not panel-packed (linear_layout)"
+    if len({lin.weights for lin in linears}) != 1:
+        return "the linear layers' panels hold different kinds of weight"
     if any(lin.panels.device.type != "cpu" for lin in linears):
         return "the model is not on the CPU"
     attn = layers[0].self_attn
@@ -77,21 +79,25 @@ def fused_decode_unavailable(model: torch.nn.Module, inplace_attention: bool) ->
     return None
 
 
-def _side_by_side(linears: list[PanelLinear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _side_by_side(linears: list[PanelLinear]
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One panel buffer for several products over the same input, the products' outputs
     side by side; each layer's ``panels`` becomes a view of it. Their biases likewise (zeros
-    for a layer without), or None when none has one."""
+    for a layer without), or None when none has one; and int8 panels' scales (else None)."""
     whole = torch.cat([lin.panels for lin in linears])
     start = 0
     for lin in linears:
         n = lin.panels.numel()
         lin.panels = whole[start : start + n]
         start += n
+    scales = None
+    if linears[0].weight_scale is not None:
+        scales = torch.cat([lin.weight_scale for lin in linears]).contiguous()
     if all(lin._bias is None for lin in linears):
-        return whole, None
+        return whole, None, scales
     bias = torch.cat([lin._bias if lin._bias is not None
                       else torch.zeros(lin.out_features) for lin in linears])
-    return whole, bias.float().contiguous()
+    return whole, bias.float().contiguous(), scales
 
 
 class FusedDecode:
@@ -115,16 +121,21 @@ class FusedDecode:
         # per layer, what decode_step.c's pointer table holds, in its order, but the KV pool
         # (its last two); held here: the table points into them
         self._weights: list[list[torch.Tensor | None]] = []
+        self.weights = self.lm_head.weights
+        self.wtype = WTYPES[self.weights]
         for layer in layers:
-            qkv, qkv_bias = _side_by_side([layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                           layer.self_attn.v_proj])
-            gate_up, gate_up_bias = _side_by_side([layer.mlp.gate_proj, layer.mlp.up_proj])
+            qkv, qkv_bias, qkv_scale = _side_by_side([layer.self_attn.q_proj,
+                                                      layer.self_attn.k_proj,
+                                                      layer.self_attn.v_proj])
+            gate_up, gate_up_bias, gate_up_scale = _side_by_side([layer.mlp.gate_proj,
+                                                                  layer.mlp.up_proj])
             o, down = layer.self_attn.o_proj, layer.mlp.down_proj
             self._weights.append([
                 layer.input_layernorm.weight.detach().float().contiguous(), qkv, qkv_bias,
                 o.panels, o._bias,
                 layer.post_attention_layernorm.weight.detach().float().contiguous(),
-                gate_up, gate_up_bias, down.panels, down._bias])
+                gate_up, gate_up_bias, down.panels, down._bias,
+                qkv_scale, o.weight_scale, gate_up_scale, down.weight_scale])
         assert self._lib.decode_step_layer_ptrs() == len(self._weights[0]) + 2
         self._table: ctypes.Array | None = None
         self._table_cache: PagedKVCache | None = None
@@ -160,7 +171,8 @@ class FusedDecode:
             sin.data_ptr(), self.eps, self.scale, write.data_ptr(), read.data_ptr(),
             step.offsets.data_ptr(), self.final_norm.data_ptr(), self.lm_head.panels.data_ptr(),
             None if head_bias is None else head_bias.data_ptr(), self.vocab,
-            logits.data_ptr(), torch.get_num_threads())
+            logits.data_ptr(), torch.get_num_threads(), self.wtype,
+            None if self.lm_head.weight_scale is None else self.lm_head.weight_scale.data_ptr())
         if rc != 0:
             raise RuntimeError(f"decode_step failed ({rc})")
         return logits

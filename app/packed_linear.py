@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.config import LINEAR_LAYOUTS as LAYOUTS
-from app.cpu_kernels import kernel_unavailable, load_kernel
+from app.cpu_kernels import WTYPES, kernel_unavailable, load_kernel
 
 # Rows the blocked layout is tuned for. 8 served 1 to 256 rows as well as or better than
 # 1, 32 or 256 did on this project's CPU (a 2-core AMD EPYC, AVX2).
@@ -97,35 +97,82 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, layout=onednn")
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8 with one scale per output channel (row): symmetric, round to nearest,
+    ``weight ~= q * scale[:, None]`` with q in [-127, 127]. Returns (q int8, scale float32)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
 class PanelLinear(nn.Module):
     """``nn.Linear`` (inference only) over a copy of its weight in panels, multiplied by the
     engine's own kernel (``app.cpu_kernels``) on ``torch.get_num_threads()`` threads.
 
-    ``weight`` and ``bias`` are the original parameters; the panels are a non-persistent
-    buffer. Under autograd (grad enabled and a tensor that wants one), for an input that is
-    not float32 on the CPU, or once moved off the CPU, it falls back to ``F.linear``.
+    ``weights`` is what the panels hold: ``float32`` (the weight as it is), ``bfloat16`` (half
+    the bytes: the weight rounded to bf16) or ``int8`` (a quarter: :func:`quantize_int8`, one
+    scale per output). Inputs, sums and outputs are float32 in every kind.
+
+    ``weight`` is the model's parameter for ``float32``, and, to hold no float32 copy, the
+    rounded weight for the others (``bfloat16``; ``int8``: the int8 weight, its scales in
+    ``weight_scale``), except where ``keep_weight`` (a weight the model shares with another
+    module: tied embeddings). The panels are a non-persistent buffer. Under autograd (grad
+    enabled and a tensor that wants one), for an input that is not float32 on the CPU, or
+    once moved off the CPU, it falls back to ``F.linear`` over the (dequantized) weight.
     """
 
-    def __init__(self, linear: nn.Linear, cache_dir: Path | None = None) -> None:
+    def __init__(self, linear: nn.Linear, cache_dir: Path | None = None,
+                 weights: str = "float32", keep_weight: bool = False) -> None:
         super().__init__()
+        if weights not in WTYPES:
+            raise ValueError(f"weights must be one of {sorted(WTYPES)}, got {weights!r}")
         self._lib = load_kernel(cache_dir)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.weight = linear.weight
+        self.weights = weights
+        self._wtype = WTYPES[weights]
         self.bias = linear.bias
-        w = linear.weight.detach().contiguous()
-        panels = torch.empty(self._lib.panel_floats(self.out_features, self.in_features),
-                             dtype=torch.float32)
-        self._lib.panel_pack(w.data_ptr(), w.stride(0), self.out_features, self.in_features,
-                             panels.data_ptr())
+        n, k = self.out_features, self.in_features
+        count = self._lib.panel_floats(n, k)
+        scale = None
+        if weights == "float32":
+            w = linear.weight.detach().float().contiguous()
+            panels = torch.empty(count, dtype=torch.float32)
+            self._lib.panel_pack(w.data_ptr(), w.stride(0), n, k, panels.data_ptr())
+            self.weight = linear.weight
+        else:
+            if weights == "bfloat16":
+                w = linear.weight.detach().to(torch.bfloat16).contiguous()
+            else:
+                w, scale = quantize_int8(linear.weight)
+            panels = torch.empty(count, dtype=w.dtype)
+            rc = self._lib.panel_pack_bytes(w.data_ptr(), w.stride(0), n, k, panels.data_ptr(),
+                                            w.element_size())
+            assert rc == 0, f"panel_pack_bytes failed ({rc})"
+            if keep_weight:
+                self.weight = linear.weight
+            elif weights == "bfloat16":
+                self.weight = nn.Parameter(w, requires_grad=False)
+            else:
+                self.register_buffer("weight", w)
         self.register_buffer("panels", panels, persistent=False)
-        self._bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.register_buffer("weight_scale", scale)  # int8's column scales, else None
+        self._bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+
+    def plain_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a ``dtype`` matrix (an int8 one dequantized)."""
+        if self.weight.dtype == torch.int8:
+            assert self.weight_scale is not None
+            return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+        return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype != torch.float32 or x.device.type != "cpu"
                 or self.panels.device.type != "cpu"
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            return F.linear(x, self.weight, self.bias)  # what the kernel is not for
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.plain_weight(x.dtype), bias)  # what the kernel is not for
         k, n = self.in_features, self.out_features
         rows = x.reshape(-1, k)
         if not rows.is_contiguous():
@@ -133,20 +180,33 @@ class PanelLinear(nn.Module):
         m = rows.shape[0]
         out = torch.empty((m, n), dtype=torch.float32)
         if m:
-            self._lib.panel_linear(rows.data_ptr(), m, k, self.panels.data_ptr(), n,
-                                   None if self._bias is None else self._bias.data_ptr(),
-                                   out.data_ptr(), torch.get_num_threads())
+            rc = self._lib.panel_linear_w(
+                rows.data_ptr(), m, k, self.panels.data_ptr(), self._wtype,
+                None if self.weight_scale is None else self.weight_scale.data_ptr(), n,
+                None if self._bias is None else self._bias.data_ptr(), out.data_ptr(),
+                torch.get_num_threads())
+            if rc != 0:
+                raise RuntimeError(f"panel_linear_w refused its arguments ({rc})")
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, layout=panels")
+                f"bias={self.bias is not None}, layout=panels, weights={self.weights}")
+
+
+def weight_kind(model: nn.Module) -> str | None:
+    """What ``model``'s panel-packed linears hold (``float32``, ``bfloat16``, ``int8``), or
+    None when it has none."""
+    kinds = {m.weights for m in model.modules() if isinstance(m, PanelLinear)}
+    assert len(kinds) <= 1, f"mixed panel kinds {kinds}"
+    return next(iter(kinds), None)
 
 
 def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, layout: str = "auto",
-                 cache_dir: Path | None = None) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a :class:`PanelLinear` (``panels``) or a
-    :class:`PackedLinear` (``onednn``; ``auto``: panels where the kernel builds); the count.
+                 cache_dir: Path | None = None, weights: str = "float32") -> int:
+    """Replace every ``nn.Linear`` in ``model`` by a :class:`PanelLinear` (``panels``, its
+    panels holding ``weights``) or a :class:`PackedLinear` (``onednn``, float32 only;
+    ``auto``: panels where the kernel builds); the count.
 
     Raises ``ValueError`` when packing is not possible (``packing_unavailable``).
     """
@@ -154,12 +214,17 @@ def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, layout: str = "
     if reason is not None:
         raise ValueError(f"cannot pack linear weights: {reason}")
     layout = resolve_layout(layout, cache_dir)
+    if layout != "panels" and weights != "float32":
+        raise ValueError(f"{weights} weights need the panels layout, not {layout}")
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is nn.Linear]
+    # weights another module uses too (tied embeddings) stay as they are
+    shared = {id(p) for m in model.modules() if type(m) is not nn.Linear
+              for p in m.parameters(recurse=False)}
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        packed = (PanelLinear(module, cache_dir) if layout == "panels"
-                  else PackedLinear(module, batch_hint))
+        packed = (PanelLinear(module, cache_dir, weights, id(module.weight) in shared)
+                  if layout == "panels" else PackedLinear(module, batch_hint))
         setattr(parent, child, packed)
     return len(targets)

@@ -99,6 +99,13 @@ def _stall(core: EngineCore, seconds: float) -> None:
     threading.Thread(target=hold, name="fault-stall", daemon=True).start()
 
 
+async def _stall_over(core: EngineCore) -> None:
+    """Until ``core`` is not stalled: for a pass that runs without the runner's lock (a
+    prefill lane beside another), which the stall's holder takes."""
+    while id(core) in _STALL_ENDS:
+        await asyncio.sleep(0.05)
+
+
 class PrefillQueue:
     """Prompts waiting for prefill in one replica and the task that computes them: pass
     after pass (``Prefiller.plan_pass``: shortest remaining first, chunked, fair), each on
@@ -198,6 +205,18 @@ class PrefillQueue:
         self.waiting_requests += requests
         self.metrics.record_waiting(self.waiting_tokens, self.waiting_requests)
 
+    def _plan(self, jobs: list[PrefillJob]) -> list[PrefillJob]:
+        """``Prefiller.plan_pass`` over ``jobs``; if planning fails, every queued prompt not
+        in a pass fails with the error (never leave a caller waiting on a queue that
+        stopped) and no rows come back."""
+        try:
+            return self.prefiller.plan_pass(jobs)
+        except Exception as exc:
+            logger.exception("prefill planning failed; failing the queued prompts")
+            for job in [j for j in self.jobs if id(j) not in self._in_flight]:
+                self._finish(job, exc=exc)
+            return []
+
     async def _run(self) -> None:
         if self.lanes > 1 and self.decode is None:
             await self._run_lanes()
@@ -208,14 +227,8 @@ class PrefillQueue:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            try:
-                rows = self.prefiller.plan_pass(self._free_jobs())
-            except Exception as exc:  # never leave a caller waiting on a queue that stopped
-                logger.exception("prefill planning failed; failing the queued prompts")
-                for job in list(self.jobs):
-                    self._finish(job, exc=exc)
-                rows = []  # then wait for the next prompt, not spin
-            if not rows:
+            rows = self._plan(self._free_jobs())
+            if not rows:  # then wait for the next prompt, not spin
                 self._wake.clear()
                 await self._wake.wait()
                 await asyncio.sleep(self.wait_s)  # let prompts that arrive together share
@@ -238,12 +251,7 @@ class PrefillQueue:
                 jobs = self._free_jobs()
                 if free[0] > 0:  # an extra lane: long prompts only
                     jobs = [j for j in jobs if 2 * j.remaining >= self.prefiller.chunk_tokens]
-                try:
-                    rows = self.prefiller.plan_pass(jobs) if jobs else []
-                except Exception as exc:  # never leave a caller waiting on a stopped queue
-                    logger.exception("prefill planning failed; failing the queued prompts")
-                    for job in [j for j in self.jobs if id(j) not in self._in_flight]:
-                        self._finish(job, exc=exc)
+                rows = self._plan(jobs) if jobs else []
             if rows:
                 lane = free[0]
                 self.lane_passes += lane > 0
@@ -279,8 +287,7 @@ class PrefillQueue:
                 if self.lanes > 1:
                     alone = lane == 0 and len(self._running) <= 1
                     if not alone:  # no runner lock: an injected stall holds this pass too
-                        while id(self.core) in _STALL_ENDS:
-                            await asyncio.sleep(0.05)
+                        await _stall_over(self.core)
                     advance = functools.partial(advance, alone=alone)
                 packages = await self.core.run(advance, run, layers, lane=lane)
                 if packages is not None:

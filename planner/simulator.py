@@ -952,9 +952,9 @@ class _SplitRun:
     def __init__(self, sysm: SplitSystem, clock: _Clock, finish: Callable[[_Seq], None]) -> None:
         self.sysm, self.limits, self.clock, self.finish = sysm, sysm.limits, clock, finish
         self.prefill_busy = [_Busy() for _ in range(sysm.num_prefill)]
-        self.passing = [0] * sysm.num_prefill  # passes under way per replica (its lanes)
-        self.in_pass: list[set[_Req]] = [set() for _ in range(sysm.num_prefill)]
+        # per replica: which of its lanes has a pass under way, and the prompts in them
         self.lane_busy = [[False] * sysm.limits.prefill_lanes for _ in range(sysm.num_prefill)]
+        self.in_pass: list[set[_Req]] = [set() for _ in range(sysm.num_prefill)]
         self.prefills = [_PrefillQueue(sysm.prefill, sysm.limits)
                          for _ in range(sysm.num_prefill)]
         # DecodeServer: a decode loop and a prefill queue for the prompts prefilled locally
@@ -1037,15 +1037,19 @@ class _SplitRun:
             q.idle = False
             self.clock.at(self.clock.now + self.limits.batch_wait_s,
                           lambda: self.prefill_start(i))
-        elif 0 < self.passing[i] < self.limits.prefill_lanes:
+        elif 0 < self.passes(i) < self.limits.prefill_lanes:
             # the queue's loop is awake (a pass runs): a free lane takes it at once
             # (``PrefillQueue._run_lanes``)
             self.prefill_start(i)
 
+    def passes(self, i: int) -> int:
+        """Prefill passes under way on replica ``i`` (one per busy lane)."""
+        return sum(self.lane_busy[i])
+
     def prefill_start(self, i: int) -> None:
         """Passes on replica ``i``'s free lanes, while prompts in no pass wait."""
         q = self.prefills[i]
-        while self.passing[i] < self.limits.prefill_lanes:
+        while self.passes(i) < self.limits.prefill_lanes:
             lane = self.lane_busy[i].index(False)
             busy: Collection[_Req] = self.in_pass[i]
             if lane > 0:  # an extra lane takes long prompts only (at least half a chunk)
@@ -1054,13 +1058,12 @@ class _SplitRun:
             if not rows:
                 break
             cost = q.pass_s(rows) / self._prefill_share(i)
-            self.passing[i] += 1
             self.lane_busy[i][lane] = True
             self.in_pass[i].update(rows)
             self.prefill_busy[i].prefill_s += cost
             self.clock.at(self.clock.now + cost,
                           lambda rows=rows, lane=lane: self.prefill_end(i, rows, lane))
-        if not self.passing[i]:
+        if not self.passes(i):
             q.idle = True
 
     def _prefill_share(self, i: int) -> float:
@@ -1072,8 +1075,8 @@ class _SplitRun:
         passes under way (its lanes share its device). Fixed for the pass."""
         cores = self.sysm.shared_cores
         if cores is None:
-            return 1.0 / (1 + self.passing[i])
-        busy = 1 + sum(self.passing)
+            return 1.0 / (1 + self.passes(i))
+        busy = 1 + sum(self.passes(j) for j in range(len(self.lane_busy)))
         tokens_per_s = 0.0
         for j, dec in enumerate(self.decode.decoders):
             busy += self.decode.active[j]
@@ -1085,7 +1088,6 @@ class _SplitRun:
     def prefill_end(self, i: int, rows: list[_Req], lane: int = 0) -> None:
         """Each prompt this pass finished leaves; each answer hops to decode on its own."""
         dev = self.sysm.prefill
-        self.passing[i] -= 1
         self.lane_busy[i][lane] = False
         self.in_pass[i].difference_update(rows)
         for r in self.prefills[i].advance(rows):

@@ -15,9 +15,9 @@
  * values differ from the model's in the last bits, as the panel kernel's products do.
  *
  * Per layer, the caller passes LAYER_PTRS pointers (see the enum): the norms' weights, the
- * panels of q/k/v side by side (one product for all three: the 192-wide k and v products
+ * panels (float32, bf16 or int8, one kind for the whole model: wtype, as panel_linear_w) of q/k/v side by side (one product for all three: the 192-wide k and v products
  * alone stream too little to reach the memory's speed), the output product's, gate/up side
- * by side, down, any biases (NULL when absent), and the layer's KV pool (keys, values:
+ * by side, down, any biases (NULL when absent), int8 panels' column scales, and the layer's KV pool (keys, values:
  * [slots, kv_heads, head_dim] each). Row b writes its new key and value at write[b] and
  * attends the slots read[offsets[b] .. offsets[b + 1]) (its own, in position order,
  * the new one last).
@@ -31,8 +31,8 @@
 
 #include "vec_math.h"
 
-void panel_linear(const float *x, long m, long k, const float *p, long n, const float *bias,
-                  float *y, int threads);
+int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
+                   const float *scale, long n, const float *bias, float *y, int threads);
 int paged_decode_attention(const float *q, const float *keys, const float *values,
                            long kv_heads, long hd, long group, const long *read,
                            const long *offsets, long rows, float scale, float *out,
@@ -49,6 +49,10 @@ enum {
     GATE_UP_BIAS,
     DOWN,      /* panels of down, hidden outputs */
     DOWN_BIAS,
+    QKV_SCALE, /* int8 panels: each product's [outputs] column scales; else NULL */
+    O_SCALE,
+    GATE_UP_SCALE,
+    DOWN_SCALE,
     KEYS,      /* the layer's pool: [slots, kv_heads, head_dim] */
     VALUES,
     LAYER_PTRS
@@ -110,13 +114,14 @@ static void add_into(float *x, const float *y, long n) {
 /* hidden [m, H] (updated in place) through n_layers layers; then, when head is not NULL,
    the final norm and the LM head's product into logits [m, vocab]. cos, sin: [m, hd].
    Returns 0, -1 for shapes the kernels do not take, -2 when scratch memory cannot be had,
-   or attention's own failure code minus 10. */
+   attention's own failure code minus 10, or -20 when a product refuses its arguments. */
 int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hsize,
                 long heads, long kv_heads, long hd, long inter, const float *cos,
                 const float *sin, float eps, float scale, const long *write, const long *read,
                 const long *offsets, const float *final_norm, const float *head,
-                const float *head_bias, long vocab, float *logits, int threads) {
-    if (hd % 8 != 0 || heads % kv_heads != 0) return -1;
+                const float *head_bias, long vocab, float *logits, int threads, int wtype,
+                const float *head_scale) {
+    if (hd % 8 != 0 || kv_heads < 1 || heads % kv_heads != 0 || m < 1) return -1;
     long nq = heads * hd, nkv = kv_heads * hd, nqkv = nq + 2 * nkv;
     long widest = nqkv > 2 * inter ? nqkv : 2 * inter;
     float *scratch = malloc(sizeof(float) * (size_t)(m * (2 * hsize + 2 * nq + widest + inter)));
@@ -124,11 +129,15 @@ int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hs
     float *xn = scratch, *tmp = xn + m * hsize, *q = tmp + m * hsize, *att = q + m * nq;
     float *wide = att + m * nq, *act = wide + m * widest;
     int rc = 0;
+/* one of the layer's products: its panels, bias and scales from the table */
+#define LINEAR(in, k, P, n, out)                                                               \
+    (panel_linear_w(in, m, k, w[P], wtype, w[P##_SCALE], n, w[P##_BIAS], out, threads) ? -20 : 0)
     for (long l = 0; l < n_layers && rc == 0; l++) {
         void *const *w = ptrs + l * LAYER_PTRS;
         float *keys = w[KEYS], *values = w[VALUES];
         rms_norm(hidden, m, hsize, w[IN_NORM], eps, xn);
-        panel_linear(xn, m, hsize, w[QKV], nqkv, w[QKV_BIAS], wide, threads);
+        rc = LINEAR(xn, hsize, QKV, nqkv, wide);
+        if (rc != 0) break;
         for (long b = 0; b < m; b++) {
             float *row = wide + b * nqkv;
             rope(row, heads, hd, cos + b * hd, sin + b * hd);
@@ -143,18 +152,21 @@ int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hs
             rc = arc - 10;
             break;
         }
-        panel_linear(att, m, nq, w[O], hsize, w[O_BIAS], tmp, threads);
+        rc = LINEAR(att, nq, O, hsize, tmp);
         add_into(hidden, tmp, m * hsize);
         rms_norm(hidden, m, hsize, w[POST_NORM], eps, xn);
-        panel_linear(xn, m, hsize, w[GATE_UP], 2 * inter, w[GATE_UP_BIAS], wide, threads);
+        rc = rc ? rc : LINEAR(xn, hsize, GATE_UP, 2 * inter, wide);
         silu_mul(wide, m, inter, act);
-        panel_linear(act, m, inter, w[DOWN], hsize, w[DOWN_BIAS], tmp, threads);
+        rc = rc ? rc : LINEAR(act, inter, DOWN, hsize, tmp);
         add_into(hidden, tmp, m * hsize);
     }
     if (rc == 0 && head != NULL) {
         rms_norm(hidden, m, hsize, final_norm, eps, xn);
-        panel_linear(xn, m, hsize, head, vocab, head_bias, logits, threads);
+        int prc = panel_linear_w(xn, m, hsize, head, wtype, head_scale, vocab, head_bias, logits,
+                                 threads);
+        rc = prc ? -20 : 0;
     }
+#undef LINEAR
     free(scratch);
     return rc;
 }

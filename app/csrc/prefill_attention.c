@@ -264,13 +264,6 @@ static inline __m256 lane_mask(unsigned m) {
     return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, sel));
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
-
 /* attend_block in ymm: the same block, masks and online softmax, in steps of PG panels: the
    scores of all the block's rows for the step's panels, then each row's softmax step over
    its 64 keys (one rescale of its output per step), then p @ V for six rows at a time. */

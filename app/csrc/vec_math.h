@@ -56,4 +56,12 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(h);
 }
 
+/* The largest of a vector's eight lanes. */
+static inline float hmax8(__m256 v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
 #endif
