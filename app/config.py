@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,36 @@ def parse_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 products natively (AVX512-BF16 or AMX-BF16)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
+    """``dtype`` with ``auto`` decided for ``device``, and why: on a GPU bfloat16; on the CPU
+    bfloat16 where it computes bf16 natively (its products then run at twice fp32's rate
+    and read half the bytes), else float32."""
+    if dtype != "auto":
+        return dtype, "set in the config"
+    if device != "cpu":
+        return "bfloat16", "auto: a GPU serves in bfloat16"
+    if cpu_has_native_bf16():
+        return "bfloat16", "auto: the CPU has native bf16 products (avx512_bf16)"
+    return "float32", "auto: the CPU has no native bf16 products (no avx512_bf16)"
+
+
+# EngineConfig.weights' values: None keeps the weights in the dtype; "int8": weight-only int8
+# with one scale per output channel (CPU, the engine's panel kernel; app.packed_linear)
+WEIGHT_FORMATS = (None, "int8")
 
 
 # accelerate's placement strategies for a model spread over several GPUs (``device_map``).
@@ -60,8 +91,14 @@ class EngineConfig:
     """
 
     model: str = DEFAULT_MODEL
+    # float32, bfloat16, float16 (GPU) or auto (resolve_dtype). On the CPU, bfloat16 holds the
+    # linear weights in bf16 panels for the engine's kernels (products at bf16 rate where the
+    # CPU has native bf16) with float32 sums, activations and KV pool (app.model_loader)
     dtype: str = "float32"
     kv_dtype: str | None = None  # KV package (wire) dtype; None: same as dtype
+    # None: the linear weights in the dtype; "int8": weight-only int8, one scale per output
+    # channel, quantized at load (CPU: the engine's panel kernel, activations float32)
+    weights: str | None = None
     device: str = "cpu"
     device_map: str | None = None  # one of DEVICE_MAPS; None: the whole model on `device`
     num_gpus: int = 1  # GPUs a device_map may use (a Ray replica sees exactly its own)
@@ -124,7 +161,12 @@ class EngineConfig:
     fused_decode: bool = True
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.weights == "int8" and self.device != "cpu":
+            raise ValueError("weights: int8 runs on the CPU's panel kernel; use device 'cpu'")
         if self.kv_dtype is not None:
             parse_dtype(self.kv_dtype)
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -166,12 +208,17 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     @property
+    def resolved_dtype(self) -> str:
+        """``dtype``, with ``auto`` decided for this machine (:func:`resolve_dtype`)."""
+        return resolve_dtype(self.dtype, self.device)[0]
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return parse_dtype(self.dtype)
+        return parse_dtype(self.resolved_dtype)
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
-        return parse_dtype(self.kv_dtype or self.dtype)
+        return parse_dtype(self.kv_dtype or self.resolved_dtype)
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -51,14 +51,15 @@ from app.config import default_cache_dir
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "paged_attention.c", "decode_step.c",
-                                          "prefill_attention.c"))
+SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "panel_bf16dp.c", "paged_attention.c",
+                                          "decode_step.c", "prefill_attention.c"))
 HEADERS = (_CSRC / "vec_math.h", _CSRC / "panel_body.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 BUILD_TIMEOUT_S = 300.0
 
 # the kinds of weight a panel holds, as panel_gemm.c numbers them (panel_linear_w's wtype)
-WTYPES = {"float32": 0, "bfloat16": 1, "int8": 2}
+# (bfloat16dp: bf16 panels in pairs of k for the CPU's bf16 dot product, panel_bf16dp.c)
+WTYPES = {"float32": 0, "bfloat16": 1, "int8": 2, "bfloat16dp": 3}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -120,6 +121,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.panel_floats.argtypes = [size, size]
     lib.panel_pack.restype = None
     lib.panel_pack.argtypes = [ptr, size, size, size, ptr]
+    lib.panel_has_avx512bf16.restype = ctypes.c_int
+    lib.panel_has_avx512bf16.argtypes = []
+    lib.panel_pair_elems.restype = size
+    lib.panel_pair_elems.argtypes = [size, size]
+    lib.panel_pack_pairs.restype = None
+    lib.panel_pack_pairs.argtypes = [ptr, size, size, size, ptr]
     lib.panel_pack_bytes.restype = ctypes.c_int
     lib.panel_pack_bytes.argtypes = [ptr, size, size, size, ptr, size]
     lib.panel_has_avx512.restype = ctypes.c_int

@@ -27,9 +27,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from app.config import DEFAULT_MODEL, EngineConfig, dtype_name
+from app.config import DEFAULT_MODEL, EngineConfig, dtype_name, resolve_dtype
 from app.errors import ModelLoadError
-from app.packed_linear import pack_linears, packing_unavailable, resolve_layout
+from app.packed_linear import (pack_linears, packing_unavailable, resolve_layout, weight_kind,
+                               weight_plan)
 
 logger = logging.getLogger(__name__)
 
@@ -284,9 +285,15 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     where = local_model_dir(source, config.resolved_cache_dir)
     placement = placement_kwargs(config, visible_gpu_memory() if config.device_map else [])
     try:
+        dtype, kind, why = weight_plan(config)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    logger.info("dtype %s (%s); weights: %s", config.resolved_dtype,
+                resolve_dtype(config.dtype, config.device)[1], why)
+    try:
         model = AutoModelForCausalLM.from_pretrained(
             where,
-            dtype=config.torch_dtype,
+            dtype=dtype,
             attn_implementation="sdpa",
             trust_remote_code=config.trust_remote_code,
             **placement,
@@ -300,7 +307,11 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
         model = model.to(config.device)
     check_placement(model, config)
     model = model.eval()
-    if config.pack_weights:
+    if kind is not None:
+        count = pack_linears(model, layout="panels", cache_dir=config.resolved_cache_dir,
+                             weights=kind)
+        logger.info("packed %d linear layers (panels of %s weights)", count, kind)
+    elif config.pack_weights:
         cache = config.resolved_cache_dir
         reason = packing_unavailable(model, config.linear_layout, cache)
         if reason is None:
@@ -358,6 +369,14 @@ def weights_digest(model: torch.nn.Module, sample: int = 4096) -> str:
     return h.hexdigest()[:16]
 
 
+def model_dtype(model: torch.nn.Module) -> str:
+    """The dtype ``model`` computes in, and what its panels hold where that differs
+    (``float32+int8``: float32 activations over int8 weights)."""
+    name = dtype_name(model.get_input_embeddings().weight.dtype)
+    kind = weight_kind(model)
+    return name if kind in (None, name) else f"{name}+{kind}"
+
+
 def fingerprint(model: torch.nn.Module) -> ModelFingerprint:
     cfg = model.config
     num_heads = cfg.num_attention_heads
@@ -368,6 +387,6 @@ def fingerprint(model: torch.nn.Module) -> ModelFingerprint:
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         vocab_size=cfg.vocab_size,
-        dtype=dtype_name(next(model.parameters()).dtype),
+        dtype=model_dtype(model),
         weights_digest=weights_digest(model),
     )

@@ -118,7 +118,7 @@ class ModelRunner:
         self._norm_device = _module_device(self.norm)
         self.multi_device = len({self.device, self.output_device, self._rotary_device,
                                  self._norm_device, *self.layer_devices}) > 1
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = model.get_input_embeddings().weight.dtype  # what it computes in
         self.kv_dtype = config.torch_kv_dtype
         self.layout = KVLayout(
             num_layers=self.shape.num_layers,

@@ -33,11 +33,41 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.config import LINEAR_LAYOUTS as LAYOUTS
+from app.config import EngineConfig, dtype_name
 from app.cpu_kernels import WTYPES, kernel_unavailable, load_kernel
 
 # Rows the blocked layout is tuned for. 8 served 1 to 256 rows as well as or better than
 # 1, 32 or 256 did on this project's CPU (a 2-core AMD EPYC, AVX2).
 BATCH_HINT = 8
+
+
+def weight_plan(config: EngineConfig) -> tuple[torch.dtype, str | None, str]:
+    """How a CPU engine holds and computes its linear weights: (the dtype the model computes
+    in, what its panels hold or None to leave packing to ``linear_layout``, why).
+
+    float32: float32 panels (or oneDNN's layout). bfloat16 (or weights: int8): the model
+    computes in float32 and its linears' panels hold bf16 (``bfloat16dp``: in pairs for the
+    CPU's bf16 dot product where it has one, the inputs rounded to bf16 as they enter a
+    product; ``bfloat16``: widened to float32 in registers) or int8; where the panel kernel
+    is not to be had, bfloat16 runs through torch's modules in bf16, and int8 raises
+    ``ValueError``."""
+    dtype = config.torch_dtype
+    if config.device != "cpu":
+        return dtype, None, "not on the CPU"
+    want = "int8" if config.weights == "int8" else dtype_name(dtype)
+    if want == "float32":
+        return dtype, None, "float32"
+    reason = (None if config.pack_weights else "pack_weights is off") or (
+        None if config.linear_layout != "onednn" else "linear_layout onednn is float32 only"
+    ) or kernel_unavailable(config.resolved_cache_dir)
+    if reason is not None:
+        if want == "int8":
+            raise ValueError(f"weights: int8 needs the engine's panel kernel: {reason}")
+        return dtype, None, f"{want} through torch's modules: {reason}"
+    if want == "bfloat16" and load_kernel(config.resolved_cache_dir).panel_has_avx512bf16():
+        return torch.float32, "bfloat16dp", "bf16 panels, the CPU's bf16 dot product"
+    how = "widened to float32 in registers" if want == "bfloat16" else "one scale per output"
+    return torch.float32, want, f"{want} panels, {how}"
 
 
 def packing_unavailable(model: nn.Module, layout: str = "auto",
@@ -142,17 +172,21 @@ class PanelLinear(nn.Module):
             self._lib.panel_pack(w.data_ptr(), w.stride(0), n, k, panels.data_ptr())
             self.weight = linear.weight
         else:
-            if weights == "bfloat16":
-                w = linear.weight.detach().to(torch.bfloat16).contiguous()
-            else:
+            if weights == "int8":
                 w, scale = quantize_int8(linear.weight)
-            panels = torch.empty(count, dtype=w.dtype)
-            rc = self._lib.panel_pack_bytes(w.data_ptr(), w.stride(0), n, k, panels.data_ptr(),
-                                            w.element_size())
-            assert rc == 0, f"panel_pack_bytes failed ({rc})"
+            else:
+                w = linear.weight.detach().to(torch.bfloat16).contiguous()
+            if weights == "bfloat16dp":  # pairs of k, for the CPU's bf16 dot product
+                panels = torch.empty(self._lib.panel_pair_elems(n, k), dtype=w.dtype)
+                self._lib.panel_pack_pairs(w.data_ptr(), w.stride(0), n, k, panels.data_ptr())
+            else:
+                panels = torch.empty(count, dtype=w.dtype)
+                rc = self._lib.panel_pack_bytes(w.data_ptr(), w.stride(0), n, k,
+                                                panels.data_ptr(), w.element_size())
+                assert rc == 0, f"panel_pack_bytes failed ({rc})"
             if keep_weight:
                 self.weight = linear.weight
-            elif weights == "bfloat16":
+            elif w.dtype == torch.bfloat16:
                 self.weight = nn.Parameter(w, requires_grad=False)
             else:
                 self.register_buffer("weight", w)

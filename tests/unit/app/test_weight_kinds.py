@@ -1,0 +1,129 @@
+"""Linear weights held as bf16 or int8 in the engine's panels (app.packed_linear): the kernel
+computes what the rounded weights compute, a row's result does not depend on its batch, and
+the engine's greedy tokens (prefill, batched and fused decode) equal the plain model's over
+the same rounded weights; the config decides the kind (dtype, weights, auto)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.config import EngineConfig, resolve_dtype
+from app.cpu_kernels import kernel_unavailable, load_kernel
+from app.engine_core import EngineCore
+from app.model_loader import fingerprint
+from app.packed_linear import PanelLinear, pack_linears, quantize_int8, weight_kind, weight_plan
+from tests.conftest import engine_greedy, hf_greedy, make_tiny_model
+
+pytestmark = pytest.mark.skipif(kernel_unavailable() is not None,
+                                reason="the panel kernel needs x86-64 with AVX2/FMA and a compiler")
+
+
+def _native_bf16() -> bool:
+    return kernel_unavailable() is None and bool(load_kernel().panel_has_avx512bf16())
+
+
+KINDS = ["bfloat16", "int8", pytest.param("bfloat16dp", marks=pytest.mark.skipif(
+    not _native_bf16(), reason="the CPU has no AVX512-BF16 (bfloat16dp needs vdpbf16ps)"))]
+PROMPTS = [[5, 9, 13, 200, 7], [300, 41, 8], list(range(100, 140)), [77] * 12]
+
+
+def _rounded(linear: nn.Linear, kind: str) -> torch.Tensor:
+    """The weight the kind's panels hold, as float32."""
+    if kind == "int8":
+        q, scale = quantize_int8(linear.weight)
+        return q.float() * scale[:, None]
+    return linear.weight.detach().bfloat16().float()
+
+
+def _reference(kind: str, seed: int) -> nn.Module:
+    """The tiny model in float32 with every linear computing what ``kind``'s panels do: its
+    weight rounded, and for bfloat16dp its input rounded to bf16 too."""
+    model = make_tiny_model(seed=seed)
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untie
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.weight.data = _rounded(module, kind)
+            if kind == "bfloat16dp":
+                module.register_forward_pre_hook(lambda _m, a: (a[0].bfloat16().float(),))
+    return model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("avx512", [1, 0])
+@torch.inference_mode()
+def test_a_product_is_the_rounded_weights_and_the_same_in_any_batch(kind, avx512):
+    lib = load_kernel()
+    lib.panel_set_avx512(avx512)
+    try:
+        torch.manual_seed(1)
+        for n, k in ((96, 64), (100, 71), (576, 576)):
+            linear = nn.Linear(k, n)
+            panel = PanelLinear(linear, weights=kind)
+            assert panel.panels.element_size() == (1 if kind == "int8" else 2)
+            for m in (1, 2, 3, 5, 7, 8, 13, 49, 130):
+                x = torch.randn(m, k)
+                xin = x.bfloat16().float() if kind == "bfloat16dp" else x
+                want = F.linear(xin, _rounded(linear, kind), linear.bias)
+                got = panel(x)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * k ** 0.5)
+                assert torch.equal(panel(x[m // 2:m // 2 + 1])[0], got[m // 2])  # batch of one
+    finally:
+        lib.panel_set_avx512(1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_engine_greedy_tokens_equal_the_rounded_plain_model(kind):
+    expected = [hf_greedy(_reference(kind, 5), p, 12) for p in PROMPTS]
+    packed = make_tiny_model(seed=5)
+    pack_linears(packed, layout="panels", weights=kind)
+    assert weight_kind(packed) == kind
+    assert packed.lm_head.weight is packed.model.embed_tokens.weight  # tied: kept as it was
+    core = EngineCore(EngineConfig(max_batch_size=8), model=packed)
+    assert core.runner.fused is not None  # decode steps through the fused kernel
+    outs, steps = await engine_greedy(core, PROMPTS, 12)
+    assert steps < 12 * len(PROMPTS)
+    assert outs == expected
+
+
+def test_panels_drop_the_float32_weights_and_the_fingerprint_says_the_kind():
+    model = make_tiny_model(seed=3)
+    plain = fingerprint(model)
+    pack_linears(model, layout="panels", weights="int8")
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.dtype == torch.int8 and q_proj.weight_scale.shape == (64,)
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in model.state_dict()
+    assert fingerprint(model).dtype == "float32+int8" != plain.dtype
+    model = make_tiny_model(seed=3)
+    pack_linears(model, layout="panels", weights="bfloat16")
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert fingerprint(model).dtype == "float32+bfloat16"
+
+
+def test_config_decides_the_dtype_and_the_panels(monkeypatch):
+    import app.config as config
+
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", "cpu")[0] == "bfloat16"
+    assert EngineConfig(dtype="auto").torch_kv_dtype == torch.bfloat16
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", "cpu") == ("float32", "auto: the CPU has no native bf16 "
+                                                       "products (no avx512_bf16)")
+    assert resolve_dtype("auto", "cuda")[0] == "bfloat16"
+    assert resolve_dtype("float32", "cpu")[0] == "float32"
+    with pytest.raises(ValueError, match="weights must be one of"):
+        EngineConfig(weights="int4")
+    with pytest.raises(ValueError, match="int8 runs on the CPU"):
+        EngineConfig(weights="int8", device="cuda")
+    dtype, kind, _ = weight_plan(EngineConfig(dtype="bfloat16"))
+    assert dtype == torch.float32
+    assert kind == ("bfloat16dp" if _native_bf16() else "bfloat16")
+    assert weight_plan(EngineConfig(weights="int8"))[:2] == (torch.float32, "int8")
+    assert weight_plan(EngineConfig())[:2] == (torch.float32, None)
+    # where the panels are not to be had, bf16 runs in torch and int8 is refused
+    dtype, kind, why = weight_plan(EngineConfig(dtype="bfloat16", pack_weights=False))
+    assert (dtype, kind) == (torch.bfloat16, None) and "pack_weights is off" in why
+    with pytest.raises(ValueError, match="int8 needs the engine's panel kernel"):
+        weight_plan(EngineConfig(weights="int8", linear_layout="onednn"))
