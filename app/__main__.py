@@ -20,7 +20,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--model", default=DEFAULT_MODEL,
                      help="alias, .gguf file, local HF directory or hub id")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--dtype", default="float32",
+                     choices=["auto", "float32", "bfloat16", "float16"],
+                     help="auto: bfloat16 where the CPU has native bf16 (or on a GPU)")
+    gen.add_argument("--weights", default=None, choices=["int8"],
+                     help="int8: weight-only int8 linears (CPU), quantized at load")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -36,8 +40,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
     """Validate the arguments before any model is loaded (raises ValueError or EngineError)."""
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                          num_threads=args.threads)
+    config = EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights,
+                          device=args.device, num_threads=args.threads)
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
