@@ -16,6 +16,11 @@ The decode attention reads each row's keys and values in place from its blocks
 (``app.paged_attention``), where torch needed a gathered copy per layer and an SDPA call that
 costs about 0.35 ms for 8 rows of 64 positions.
 
+The panels may hold float32, bf16 or int8 weights (``panel_body.h``, compiled once per
+kind, widens them to float32 in registers), and on a CPU with AVX512-BF16 bf16 panels in
+pairs of k go through its bf16 dot product (``panel_bf16dp.c``): SmolLM2's 1,024-token
+prefill 2.9 -> 1.9 s and a batch-1 decode step 22 -> 12 ms on one Zen 5 core.
+
 They are plain C with AVX2 and FMA intrinsics. The panel kernel also has AVX-512 tiles, chosen
 at run time where the CPU has AVX-512: products of four rows or more, a prefill's included,
 run about 1.5-1.9x faster on a Zen 5 core, bit for bit the same. Prefill attention

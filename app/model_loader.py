@@ -29,8 +29,13 @@ from tqdm.auto import tqdm
 
 from app.config import DEFAULT_MODEL, EngineConfig, dtype_name, resolve_dtype
 from app.errors import ModelLoadError
-from app.packed_linear import (pack_linears, packing_unavailable, resolve_layout, weight_kind,
-                               weight_plan)
+from app.packed_linear import (
+    pack_linears,
+    packing_unavailable,
+    resolve_layout,
+    weight_kind,
+    weight_plan,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,9 @@
 """Linear layers with their weights copied once into a layout made for the kernel that
-multiplies them (CPU, float32).
+multiplies them (CPU; float32 activations).
+
+What the copy holds is decided in one place, :func:`weight_plan`: float32, bf16 (half the
+bytes; on a CPU with AVX512-BF16 in pairs for its bf16 dot product, which also does twice
+the multiply-adds per instruction) or int8 with a scale per output channel (a quarter).
 
 A decode step is a few hundred small matrix products (7 per layer plus the LM head) over a
 handful of rows, and the weights come from memory every step. Two layouts:
