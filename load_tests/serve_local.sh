@@ -1,8 +1,9 @@
 # Sourced by the load-test scripts, from the repository root: a local Ray head offering both
 # phase tags, one Serve config at a time on it, and cleanup on exit. The caller sets OUT (the
 # results folder, created here); PY, BIN and URL default to the project's venv and the app's
-# local address. Starts its own Ray head, so no other Ray may run here; stops everything on
-# exit.
+# local address; SERVE_CONFIG_DIR (serve_configs) is where serve_config finds NAME.yaml (a
+# folder of configs for another model). Starts its own Ray head, so no other Ray may run
+# here; stops everything on exit.
 
 PY=${PY:-.venv/bin/python}
 BIN=${BIN:-.venv/bin}
@@ -42,7 +43,7 @@ wait_ready() {
 
 # serve_config NAME: deploy serve_configs/NAME.yaml and wait for /health
 serve_config() {
-  PYTHONPATH=$PWD "$BIN/serve" run --non-blocking "serve_configs/$1.yaml" \
+  PYTHONPATH=$PWD "$BIN/serve" run --non-blocking "${SERVE_CONFIG_DIR:-serve_configs}/$1.yaml" \
     >"$OUT/$1-serve.log" 2>&1
   wait_ready
 }

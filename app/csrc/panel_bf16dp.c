@@ -13,8 +13,9 @@
  * 32 bits, broadcast to every lane, so per pair of k one load of 64 bytes of weights serves
  * every row of a tile.
  *
- * Tiles: up to 6 rows x 4 panels (a decode batch of 1-6: four weight streams in flight) or up
- * to 12 rows x 2 panels (more rows); at most 24 sums in registers. Every output is the same
+ * Tiles: up to 6 rows x 4 panels (a decode batch: four weight streams in flight, every block
+ * of six rows through the same four panels, from cache after the first) or up to 12 rows x 2
+ * panels (a prefill's blocks of 48 rows); at most 24 sums in registers. Every output is the same
  * chain of vdpbf16ps over the pairs of k in order, then the bias (for every tile, block and
  * thread split), so a row's result does not depend on the batch it is in.
  *
@@ -160,7 +161,7 @@ static void dp_rows(int mr, int np, long kp, const uint16_t *pan, const uint32_t
    GROUP_BYTES for a prefill-sized one), each block of up to 48 rows through a group. */
 static void dp_run(const uint32_t *xb, long m, long kp, const uint16_t *p, long n,
                    const float *bias, float *y, long q0, long q1) {
-    int np = m <= 6 ? 4 : 2;
+    int np = m <= MB ? 4 : 2;
     long ps = kp * NR * 2;
     long group = m <= MB ? np : GROUP_BYTES / (ps * 2) / np * np;
     if (group < np) group = np;
@@ -200,7 +201,12 @@ int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, con
     if (threads <= 1 || m * n * k < 65536) {
         dp_run(xb, m, kp, p, n, bias, y, 0, panels);
     } else if (m > MB) {
-        long group = GROUP_BYTES / (kp * NR * 2 * 2) / 2 * 2;
+        /* groups no larger than L2 holds, and at least four per thread, so that a thread
+           whose core is shared (or that drew the last group) leaves the others little to
+           wait for: a product of 60 panels in groups of 14 kept one of two threads idle
+           for a fifth of it */
+        long group = GROUP_BYTES / (kp * NR * 2 * 2), fair = panels / (4L * threads);
+        group = (group < fair ? group : fair) / 2 * 2;
         if (group < 2) group = 2;
         long chunks = (panels + group - 1) / group;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)

@@ -341,6 +341,83 @@ static long N(pair_group)(long k) {
     return group < 2 ? 2 : group;
 }
 
+/* One to three rows of a product over narrow weights (bf16 widened, int8), where widening
+   each weight costs instructions and the FMA chains' latency shows: 1 row x 8 panels or 2-3
+   rows x 4, in zmm (8-12 sums in flight, 8 or 4 weight streams). Each sum is the same FMA
+   chain over k as every other tile's, so the bits do not change. */
+#define TN_DECL(i)                                                                           \
+    __m512 a##i##0 = _mm512_setzero_ps(), a##i##1 = _mm512_setzero_ps(),                     \
+           a##i##2 = _mm512_setzero_ps(), a##i##3 = _mm512_setzero_ps(),                     \
+           a##i##4 = _mm512_setzero_ps(), a##i##5 = _mm512_setzero_ps(),                     \
+           a##i##6 = _mm512_setzero_ps(), a##i##7 = _mm512_setzero_ps()
+#define TN_FMA(i, j) if (mr > i && np > j) a##i##j = _mm512_fmadd_ps(b##i, w##j, a##i##j);
+#define TN_ROW(i)                                                                            \
+    TN_FMA(i, 0) TN_FMA(i, 1) TN_FMA(i, 2) TN_FMA(i, 3)                                      \
+    TN_FMA(i, 4) TN_FMA(i, 5) TN_FMA(i, 6) TN_FMA(i, 7)
+#define TN_ST(i, j)                                                                          \
+    if (mr > i && np > j)                                                                    \
+        _mm512_storeu_ps(y + (i) * ldy + (j) * NR,                                           \
+                         _mm512_add_ps(a##i##j, _mm512_loadu_ps(bias + (j) * NR)));
+#define TN_STORE(i)                                                                          \
+    TN_ST(i, 0) TN_ST(i, 1) TN_ST(i, 2) TN_ST(i, 3) TN_ST(i, 4) TN_ST(i, 5) TN_ST(i, 6) TN_ST(i, 7)
+static inline __attribute__((always_inline, target("avx512f"))) void N(tile_narrow)(
+    int mr, int np, long k, const WT *pan, const float *x, long ldx, float *y, long ldy,
+    const float *bias) {
+    TN_DECL(0); TN_DECL(1); TN_DECL(2);
+    const long ps = k * NR;
+    for (long kk = 0; kk < k; kk++) {
+        const WT *w = pan + kk * NR;
+        __m512 w0 = W16(w), w1 = w0, w2 = w0, w3 = w0, w4 = w0, w5 = w0, w6 = w0, w7 = w0;
+        if (np > 1) w1 = W16(w + ps);
+        if (np > 2) w2 = W16(w + 2 * ps);
+        if (np > 3) w3 = W16(w + 3 * ps);
+        if (np > 4) w4 = W16(w + 4 * ps);
+        if (np > 5) w5 = W16(w + 5 * ps);
+        if (np > 6) w6 = W16(w + 6 * ps);
+        if (np > 7) w7 = W16(w + 7 * ps);
+        __m512 b0 = _mm512_set1_ps(x[kk]);
+        __m512 b1 = mr > 1 ? _mm512_set1_ps(x[ldx + kk]) : b0;
+        __m512 b2 = mr > 2 ? _mm512_set1_ps(x[2 * ldx + kk]) : b0;
+        TN_ROW(0) TN_ROW(1) TN_ROW(2)
+    }
+    TN_STORE(0) TN_STORE(1) TN_STORE(2)
+}
+#undef TN_DECL
+#undef TN_FMA
+#undef TN_ROW
+#undef TN_ST
+#undef TN_STORE
+static __attribute__((target("avx512f"))) void N(narrow_1x8)(
+    long k, const WT *pan, const float *x, long ldx, float *y, long ldy, const float *bias) {
+    N(tile_narrow)(1, 8, k, pan, x, ldx, y, ldy, bias);
+}
+static __attribute__((target("avx512f"))) void N(narrow_2x4)(
+    long k, const WT *pan, const float *x, long ldx, float *y, long ldy, const float *bias) {
+    N(tile_narrow)(2, 4, k, pan, x, ldx, y, ldy, bias);
+}
+static __attribute__((target("avx512f"))) void N(narrow_3x4)(
+    long k, const WT *pan, const float *x, long ldx, float *y, long ldy, const float *bias) {
+    N(tile_narrow)(3, 4, k, pan, x, ldx, y, ldy, bias);
+}
+static const N(micro_fn) N(NARROW)[4] = {0, N(narrow_1x8), N(narrow_2x4), N(narrow_3x4)};
+
+/* Panels [q0, q1) of a product of one to three rows, in the narrow tiles; the panels left
+   over (and a last one with padding columns) in rows512's. */
+static void N(run_narrow)(const float *x, long m, long k, const WT *p, long n,
+                          const float *bias, float *y, long q0, long q1) {
+    int np = m == 1 ? 8 : 4;
+    float bias_tile[8 * NR];
+    long q = q0;
+    for (; q + np <= q1 && (q + np) * NR <= n; q += np) {
+        for (long j = 0; j < np * NR; j++) bias_tile[j] = bias ? bias[q * NR + j] : 0.0f;
+        N(NARROW)[m](k, p + q * k * NR, x, k, y + q * NR, n, bias_tile);
+    }
+    for (; q < q1; q += 2) {
+        int width = q1 - q >= 2 ? 2 : 1;
+        N(rows512)((int)m, width, k, p + q * k * NR, x, y, n, q, bias);
+    }
+}
+
 /* Panels [q0, q1), every row, in pairs of panels: each block of up to 48 rows passes through
    a group of panels (~256 KiB, kept in L2) in tiles of 12 rows, so each weight comes from
    memory once per product. A decode-sized product (at most 48 rows) is one block. */
@@ -394,8 +471,13 @@ static void N(run_panels_sliced)(const float *x, long m, long k, const WT *p, lo
 /* Panels [q0, q1) of the product, every row. */
 static void N(run_panels)(const float *x, long m, long k, const WT *p, long n, const float *bias,
                        float *y, long q0, long q1) {
-    /* one to three rows are bound by reading the weights: the AVX2 tiles over four and two
-       panels keep more streams in flight than a zmm tile would */
+    /* one to three rows are bound by reading the weights: for float32 the AVX2 tiles over
+       four and two panels keep more streams in flight than a zmm tile would; narrower
+       weights cost instructions to widen, which the narrow zmm tiles halve */
+    if (panel_uses_avx512() && m < 4 && sizeof(WT) < sizeof(float)) {
+        N(run_narrow)(x, m, k, p, n, bias, y, q0, q1);
+        return;
+    }
     if (panel_uses_avx512() && m >= 4) {
         N(run_panels512)(x, m, k, p, n, bias, y, q0, q1);
         return;

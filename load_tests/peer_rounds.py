@@ -1,0 +1,74 @@
+"""Ratios to vLLM over repeated rounds of ``load_tests/peer_bench.sh`` (one results folder a
+round, the servers' order rotated between rounds): for each workload and figure, each
+server's median over the rounds and its ratio to vLLM's in the same round, as the median
+with the min-max of the rounds' ratios.
+
+    python load_tests/peer_rounds.py ROUND_DIR [ROUND_DIR ...] [--servers vllm split colocated]
+
+Standard library only, as ``peer_table.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peer_table import FIGURES, SERVERS, WORKLOADS  # noqa: E402
+
+# the figures read per workload (the rest of peer_table's are printed too where present)
+KEY_FIGURES = {"W-single": ("TPOT p50 ms", "out tok/s"), "W-short": ("out tok/s", "TPOT p50 ms"),
+               "W-long": ("prompt tok/s", "TTFT p50 ms")}
+
+
+def load(rounds: list[Path], servers: list[str]) -> dict:
+    """{(workload, figure): {server: [value per round]}} for the rounds that have it."""
+    table: dict = {}
+    for folder in rounds:
+        for workload in WORKLOADS:
+            for label, read in FIGURES:
+                if label not in KEY_FIGURES.get(workload, ()):
+                    continue
+                for server in servers:
+                    path = folder / f"{server}_{workload}.json"
+                    if path.is_file():
+                        value = read(json.loads(path.read_text()))
+                        cell = table.setdefault((workload, label), {})
+                        cell.setdefault(server, {})[folder.name] = value
+    return table
+
+
+def render(table: dict, servers: list[str]) -> str:
+    head = ["workload", "figure"] + [f"{s} (median)" for s in servers]
+    head += [f"{s} / vllm (median, min-max)" for s in servers if s != "vllm"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (workload, label), cell in table.items():
+        row = [workload, label]
+        for server in servers:
+            values = [v for v in cell.get(server, {}).values() if v is not None]
+            row.append(f"{statistics.median(values):,.1f}" if values else "-")
+        for server in servers:
+            if server == "vllm":
+                continue
+            ratios = [v / cell["vllm"][r] for r, v in cell.get(server, {}).items()
+                      if v is not None and cell.get("vllm", {}).get(r)]
+            row.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, "
+                       f"{len(ratios)} rounds)" if ratios else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("rounds", type=Path, nargs="+")
+    ap.add_argument("--servers", nargs="+", default=SERVERS)
+    args = ap.parse_args(argv)
+    print(render(load(args.rounds, args.servers), args.servers))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
