@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_table import FIGURES, SERVERS, WORKLOADS  # noqa: E402
+from peer_table import FIGURES, SERVERS, WORKLOADS
 
 # the figures read per workload (the rest of peer_table's are printed too where present)
 KEY_FIGURES = {"W-single": ("TPOT p50 ms", "out tok/s"), "W-short": ("out tok/s", "TPOT p50 ms"),
