@@ -117,10 +117,21 @@ def test_load_local_hf_dir_matches_original(tmp_path):
             torch.testing.assert_close(packed(ids).logits, expected, atol=1e-4, rtol=1e-4)
         assert fingerprint(packed).as_str() == fingerprint(model).as_str()
 
-    bf16 = load_model(EngineConfig(model=str(tmp_path / "tiny"), dtype="bfloat16"))
+    # bfloat16 through torch's modules (no panels): the model's own parameters in bf16
+    bf16 = load_model(EngineConfig(model=str(tmp_path / "tiny"), dtype="bfloat16",
+                                   pack_weights=False))
     assert next(bf16.parameters()).dtype is torch.bfloat16
     assert fingerprint(bf16).dtype == "bfloat16"
     assert fingerprint(bf16).as_str() != fingerprint(model).as_str()
+    # and, where the panels build, float32 activations over bf16 panels (weight_plan)
+    if resolve_layout("auto") == "panels":
+        panels = load_model(EngineConfig(model=str(tmp_path / "tiny"), dtype="bfloat16"))
+        assert panels.get_input_embeddings().weight.dtype is torch.float32
+        assert panels.lm_head.weights in ("bfloat16", "bfloat16dp")
+        assert fingerprint(panels).dtype == f"float32+{panels.lm_head.weights}"
+        with torch.no_grad():  # bf16 rounding: close to the float32 logits, not equal
+            got = panels(ids).logits
+        assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
 def test_load_dir_without_weights_or_with_bad_config(tmp_path):
