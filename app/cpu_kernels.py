@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "panel_bf16dp.c", "paged_attention.c",
                                           "decode_step.c", "prefill_attention.c"))
-HEADERS = (_CSRC / "vec_math.h", _CSRC / "panel_body.h")
+HEADERS = tuple(_CSRC / name for name in ("vec_math.h", "panel_body.h", "panel_body512.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 BUILD_TIMEOUT_S = 300.0
 

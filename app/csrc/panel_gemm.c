@@ -58,13 +58,6 @@
 #define PF_BYTES 1024 /* prefetch this far ahead of the panel being read */
 #define KC 256        /* k per slice of a prefill-sized product (run_panels_sliced) */
 #define MR5 12        /* rows per AVX-512 tile */
-/* AVX-512 (where the CPU has it; chosen at run time, see panel_uses_avx512):
-   A panel's 16 columns are one zmm register, so a tile of up to 12 rows x 2 panels holds 24
-   sums, loads two registers of weights per k and broadcasts each row's input once: 24 FMAs
-   per 14 loads, where the AVX2 tile of 6 x 16 does 12 per 8. On this project's 2-core Zen 5
-   VM a core does about 36 G multiply-adds/s with zmm against 22 G with ymm. Every sum is
-   still one FMA per k in order and then the bias, lane for lane what the AVX2 paths compute,
-   so a row's result does not depend on which path or tile it went through. */
 
 /* The kinds of weight a panel holds (panel_linear_w's wtype; app/cpu_kernels.py's WTYPES). */
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_BF16DP = 3 };
