@@ -27,14 +27,19 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 @functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 products natively (AVX512-BF16 or AMX-BF16)."""
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags from ``/proc/cpuinfo``; None where it cannot be read."""
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
+        return None
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                           if line.startswith("flags")), []))
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 products natively (AVX512-BF16 or AMX-BF16)."""
+    flags = cpu_flags() or frozenset()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 # so the kernel's OpenMP team is torch's thread pool
 import torch
 
-from app.config import default_cache_dir
+from app.config import cpu_flags, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +76,10 @@ def cpu_unsupported() -> str | None:
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         return f"the kernel needs an x86-64 CPU, this one is {machine or 'unknown'}"
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    flags = cpu_flags()
+    if flags is None:
         capability = torch.backends.cpu.get_cpu_capability()
         return None if capability in ("AVX2", "AVX512") else f"no AVX2 (torch: {capability})"
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
     missing = [f for f in ("avx2", "fma") if f not in flags]
     return f"the CPU lacks {' and '.join(missing)}" if missing else None
 

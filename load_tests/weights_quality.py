@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from app.config import DEFAULT_MODEL, EngineConfig
+from app.config import DEFAULT_MODEL, EngineConfig, cpu_flags
 from app.model_loader import load_model, load_tokenizer, model_dtype
 
 PROMPTS = (
@@ -48,17 +48,14 @@ VARIANTS = {
 
 
 def cpu_facts() -> str:
-    model, flags = platform.processor() or "unknown", []
+    """The CPU's model and its vector flags, as a line."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("unknown", "", platform.processor()):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = [f for f in line.split(":", 1)[1].split()
-                         if f.startswith(("avx", "amx", "fma"))]
-                break
+        model = next((line.split(":", 1)[1].strip() for line in
+                      Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor() or "unknown")
     except OSError:
-        pass
+        model = platform.processor() or "unknown"
+    flags = sorted(f for f in cpu_flags() or () if f.startswith(("avx", "amx", "fma")))
     return f"{model}; {' '.join(flags)}"
 
 
