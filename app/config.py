@@ -133,11 +133,11 @@ class EngineConfig:
     # for long prompts only, no pass taking idle cores (prefill_max_threads) while another
     # runs: where the phases share a machine, a second document's pass takes what the
     # decode replica and the serving stack leave of their core, with no OpenMP barrier
-    # between the two passes' threads (deployments.replica.PrefillQueue); 1: one at a time
+    # between the two passes' threads (deployments.prefill_queue.PrefillQueue); 1: one at a time
     prefill_lanes: int = 1
     # a prefill pass runs this many layers at a time, and between two runs a prompt that
     # arrived meanwhile and needs at most half the pass's tokens gets its own pass
-    # first (deployments.replica.PrefillQueue); 0: passes run whole
+    # first (deployments.prefill_queue.PrefillQueue); 0: passes run whole
     prefill_preempt_layers: int = 4
     # where one engine both prefills and decodes (the colocated app): while sequences are
     # decoding, prompt chunks ride in the decode steps, one forward pass for both under the

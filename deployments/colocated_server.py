@@ -30,7 +30,8 @@ from ray import serve
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest, StreamStart, TokenEvent
 from deployments.metrics import PrefillMetrics
-from deployments.replica import DecodeReplica, PrefillQueue
+from deployments.prefill_queue import PrefillQueue
+from deployments.replica import DecodeReplica
 
 
 @serve.deployment(name="ColocatedServer")

@@ -12,7 +12,8 @@ from app.kv_package import KVPackage
 from app.messages import PrefillRequest, StreamStart
 from deployments import autoscaling
 from deployments.metrics import PrefillMetrics
-from deployments.replica import DecodeReplica, PrefillQueue
+from deployments.prefill_queue import PrefillQueue
+from deployments.replica import DecodeReplica
 
 
 @serve.deployment(name="DecodeServer")

@@ -17,8 +17,8 @@ from app.messages import PrefillRequest
 from deployments import autoscaling
 from deployments.args import AppArgs
 from deployments.metrics import PrefillMetrics
+from deployments.prefill_queue import PrefillQueue
 from deployments.replica import (
-    PrefillQueue,
     current_replica_id,
     deployed_autoscaling_config,
     inject_fault,

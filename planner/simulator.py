@@ -497,7 +497,7 @@ class _Chunks:
 
 class _PrefillQueue:
     """One replica's prompts waiting for prefill and the engine's planners
-    (``deployments.replica.PrefillQueue`` with ``app.prefill.Prefiller``: ``plan_pass`` for
+    (``deployments.prefill_queue.PrefillQueue`` with ``app.prefill.Prefiller``: ``plan_pass`` for
     a pass of its own, ``plan_chunks`` for the chunks of a mixed step)."""
 
     def __init__(self, device: DeviceProfile, limits: EngineLimits) -> None:

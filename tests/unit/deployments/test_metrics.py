@@ -21,7 +21,8 @@ from app.sampling import SamplingParams
 from deployments import metrics
 from deployments.decode_server import DecodeServer
 from deployments.ingress import Ingress
-from deployments.replica import DecodeReplica, PrefillQueue
+from deployments.prefill_queue import PrefillQueue
+from deployments.replica import DecodeReplica
 from deployments.request_trace import RequestTrace, TraceHistory
 
 MODEL = "test-model"
