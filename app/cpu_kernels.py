@@ -56,15 +56,17 @@ from app.config import cpu_flags, default_cache_dir
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "panel_bf16dp.c", "paged_attention.c",
-                                          "decode_step.c", "prefill_attention.c"))
+SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "panel_bf16dp.c", "panel_i8dp.c",
+                                          "paged_attention.c", "decode_step.c",
+                                          "prefill_attention.c"))
 HEADERS = tuple(_CSRC / name for name in ("vec_math.h", "panel_body.h", "panel_body512.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 BUILD_TIMEOUT_S = 300.0
 
 # the kinds of weight a panel holds, as panel_gemm.c numbers them (panel_linear_w's wtype)
-# (bfloat16dp: bf16 panels in pairs of k for the CPU's bf16 dot product, panel_bf16dp.c)
-WTYPES = {"float32": 0, "bfloat16": 1, "int8": 2, "bfloat16dp": 3}
+# (bfloat16dp: bf16 panels in pairs of k for the CPU's bf16 dot product, panel_bf16dp.c;
+# int8dp: int8 panels in pairs for its 16-bit integer dot product, panel_i8dp.c)
+WTYPES = {"float32": 0, "bfloat16": 1, "int8": 2, "bfloat16dp": 3, "int8dp": 4}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -129,6 +131,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.panel_pair_elems.argtypes = [size, size]
     lib.panel_pack_pairs.restype = None
     lib.panel_pack_pairs.argtypes = [ptr, size, size, size, ptr]
+    lib.panel_has_avx512vnni.restype = ctypes.c_int
+    lib.panel_has_avx512vnni.argtypes = []
+    lib.panel_pack_pairs_i8.restype = None
+    lib.panel_pack_pairs_i8.argtypes = [ptr, size, size, size, ptr]
     lib.panel_pack_bytes.restype = ctypes.c_int
     lib.panel_pack_bytes.argtypes = [ptr, size, size, size, ptr, size]
     lib.panel_has_avx512.restype = ctypes.c_int

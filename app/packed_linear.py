@@ -68,8 +68,12 @@ def weight_plan(config: EngineConfig) -> tuple[torch.dtype, str | None, str]:
         if want == "int8":
             raise ValueError(f"weights: int8 needs the engine's panel kernel: {reason}")
         return dtype, None, f"{want} through torch's modules: {reason}"
-    if want == "bfloat16" and load_kernel(config.resolved_cache_dir).panel_has_avx512bf16():
+    lib = load_kernel(config.resolved_cache_dir)
+    if want == "bfloat16" and lib.panel_has_avx512bf16():
         return torch.float32, "bfloat16dp", "bf16 panels, the CPU's bf16 dot product"
+    if want == "int8" and lib.panel_has_avx512vnni():
+        return (torch.float32, "int8dp", "int8 panels, one scale per output, the CPU's "
+                "16-bit integer dot product (inputs as 16-bit integers per block of 256)")
     how = "widened to float32 in registers" if want == "bfloat16" else "one scale per output"
     return torch.float32, want, f"{want} panels, {how}"
 
@@ -146,7 +150,9 @@ class PanelLinear(nn.Module):
 
     ``weights`` is what the panels hold: ``float32`` (the weight as it is), ``bfloat16`` (half
     the bytes: the weight rounded to bf16) or ``int8`` (a quarter: :func:`quantize_int8`, one
-    scale per output). Inputs, sums and outputs are float32 in every kind.
+    scale per output); ``bfloat16dp`` and ``int8dp`` hold the same in pairs of k for the
+    CPU's dot products (their inputs enter as bf16 / as 16-bit integers scaled per block of
+    256). Outputs are float32 in every kind.
 
     ``weight`` is the model's parameter for ``float32``, and, to hold no float32 copy, the
     rounded weight for the others (``bfloat16``; ``int8``: the int8 weight, its scales in
@@ -176,13 +182,15 @@ class PanelLinear(nn.Module):
             self._lib.panel_pack(w.data_ptr(), w.stride(0), n, k, panels.data_ptr())
             self.weight = linear.weight
         else:
-            if weights == "int8":
+            if weights in ("int8", "int8dp"):
                 w, scale = quantize_int8(linear.weight)
             else:
                 w = linear.weight.detach().to(torch.bfloat16).contiguous()
-            if weights == "bfloat16dp":  # pairs of k, for the CPU's bf16 dot product
+            if weights in ("bfloat16dp", "int8dp"):  # pairs of k, for the dot products
                 panels = torch.empty(self._lib.panel_pair_elems(n, k), dtype=w.dtype)
-                self._lib.panel_pack_pairs(w.data_ptr(), w.stride(0), n, k, panels.data_ptr())
+                pack = (self._lib.panel_pack_pairs if weights == "bfloat16dp"
+                        else self._lib.panel_pack_pairs_i8)
+                pack(w.data_ptr(), w.stride(0), n, k, panels.data_ptr())
             else:
                 panels = torch.empty(count, dtype=w.dtype)
                 rc = self._lib.panel_pack_bytes(w.data_ptr(), w.stride(0), n, k,

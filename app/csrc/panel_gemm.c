@@ -60,11 +60,14 @@
 #define MR5 12        /* rows per AVX-512 tile */
 
 /* The kinds of weight a panel holds (panel_linear_w's wtype; app/cpu_kernels.py's WTYPES). */
-enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_BF16DP = 3 };
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_BF16DP = 3, W_I8DP = 4 };
 
 /* bf16 pair panels through the CPU's bf16 dot product (panel_bf16dp.c) */
 int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, const float *bias,
                   float *y, int threads);
+/* int8 pair panels through the CPU's 16-bit integer dot product (panel_i8dp.c) */
+int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
+                const float *scale, float *y, int threads);
 
 long panel_nr(void) { return NR; }
 
@@ -163,9 +166,9 @@ void panel_linear(const float *x, long m, long k, const float *p, long n, const 
 }
 
 /* The same for any kind of panels (wtype: W_F32, W_BF16 or W_I8 packed here, W_BF16DP by
-   panel_pack_pairs; scale: int8's [n] column scales, else ignored). Returns 0, -1 for an
-   unknown wtype, -2 for a shape it does not take (m < 0, k or n < 1), -3 for int8 panels
-   without scales, or linear_bf16dp's own code. */
+   panel_pack_pairs, W_I8DP by panel_pack_pairs_i8; scale: int8's [n] column scales, else
+   ignored). Returns 0, -1 for an unknown wtype, -2 for a shape it does not take (m < 0, k or
+   n < 1), -3 for int8 panels without scales, or linear_bf16dp's / linear_i8dp's own code. */
 int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
                    const float *scale, long n, const float *bias, float *y, int threads) {
     if (m < 0 || k < 1 || n < 1) return -2;
@@ -178,6 +181,9 @@ int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
         linear_i8(x, m, k, p, n, bias, scale, y, threads);
         return 0;
     case W_BF16DP: return linear_bf16dp(x, m, k, p, n, bias, y, threads);
+    case W_I8DP:
+        if (scale == NULL) return -3;
+        return linear_i8dp(x, m, k, p, n, bias, scale, y, threads);
     default: return -1;
     }
 }

@@ -25,29 +25,52 @@ def _native_bf16() -> bool:
     return kernel_unavailable() is None and bool(load_kernel().panel_has_avx512bf16())
 
 
+def _vnni() -> bool:
+    return kernel_unavailable() is None and bool(load_kernel().panel_has_avx512vnni())
+
+
 KINDS = ["bfloat16", "int8", pytest.param("bfloat16dp", marks=pytest.mark.skipif(
-    not _native_bf16(), reason="the CPU has no AVX512-BF16 (bfloat16dp needs vdpbf16ps)"))]
+    not _native_bf16(), reason="the CPU has no AVX512-BF16 (bfloat16dp needs vdpbf16ps)")),
+    pytest.param("int8dp", marks=pytest.mark.skipif(
+        not _vnni(), reason="the CPU has no AVX512-VNNI (int8dp needs vpdpwssd)"))]
 PROMPTS = [[5, 9, 13, 200, 7], [300, 41, 8], list(range(100, 140)), [77] * 12]
 
 
 def _rounded(linear: nn.Linear, kind: str) -> torch.Tensor:
     """The weight the kind's panels hold, as float32."""
-    if kind == "int8":
+    if kind in ("int8", "int8dp"):
         q, scale = quantize_int8(linear.weight)
         return q.float() * scale[:, None]
     return linear.weight.detach().bfloat16().float()
 
 
+def _inputs(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """What ``kind``'s products take of an input: bfloat16dp rounds it to bf16; int8dp to
+    16-bit integers over each row's blocks of 256, scaled by the block's largest magnitude."""
+    if kind == "bfloat16dp":
+        return x.bfloat16().float()
+    if kind != "int8dp":
+        return x
+    out = x.clone()
+    for k0 in range(0, x.shape[-1], 256):
+        block = x[..., k0:k0 + 256]
+        amax = block.abs().amax(dim=-1, keepdim=True)
+        scale = amax / 32767.0
+        inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+        out[..., k0:k0 + 256] = torch.round(block * inv) * scale
+    return out
+
+
 def _reference(kind: str, seed: int) -> nn.Module:
     """The tiny model in float32 with every linear computing what ``kind``'s panels do: its
-    weight rounded, and for bfloat16dp its input rounded to bf16 too."""
+    weight rounded, and for bfloat16dp / int8dp its input too (:func:`_inputs`)."""
     model = make_tiny_model(seed=seed)
     model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untie
     for module in model.modules():
         if type(module) is nn.Linear:
             module.weight.data = _rounded(module, kind)
-            if kind == "bfloat16dp":
-                module.register_forward_pre_hook(lambda _m, a: (a[0].bfloat16().float(),))
+            if kind in ("bfloat16dp", "int8dp"):
+                module.register_forward_pre_hook(lambda _m, a: (_inputs(a[0], kind),))
     return model
 
 
@@ -62,16 +85,36 @@ def test_a_product_is_the_rounded_weights_and_the_same_in_any_batch(kind, avx512
         for n, k in ((96, 64), (100, 71), (576, 576)):
             linear = nn.Linear(k, n)
             panel = PanelLinear(linear, weights=kind)
-            assert panel.panels.element_size() == (1 if kind == "int8" else 2)
+            assert panel.panels.element_size() == (1 if kind.startswith("int8") else 2)
             for m in (1, 2, 3, 5, 7, 8, 13, 49, 130):
                 x = torch.randn(m, k)
-                xin = x.bfloat16().float() if kind == "bfloat16dp" else x
-                want = F.linear(xin, _rounded(linear, kind), linear.bias)
+                want = F.linear(_inputs(x, kind), _rounded(linear, kind), linear.bias)
                 got = panel(x)
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * k ** 0.5)
                 assert torch.equal(panel(x[m // 2:m // 2 + 1])[0], got[m // 2])  # batch of one
     finally:
         lib.panel_set_avx512(1)
+
+
+@pytest.mark.skipif(not _vnni(), reason="the CPU has no AVX512-VNNI")
+@torch.inference_mode()
+def test_int8dp_inputs_scaled_per_block_keep_zeros_and_non_finite_values():
+    """A block's scale comes from its own largest input (a huge input in one block leaves the
+    others' precision alone), an all-zero row gives the bias, a non-finite input NaN."""
+    torch.manual_seed(2)
+    linear = nn.Linear(600, 40)
+    panel = PanelLinear(linear, weights="int8dp")
+    x = torch.randn(4, 600)
+    x[1, 3] = 1e6  # the first block of row 1 only
+    x[2] = 0.0
+    x[3, 500] = float("inf")
+    got = panel(x)
+    ref = F.linear(x[:2], _rounded(linear, "int8dp"), linear.bias)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-3)
+    big = got[1] - ref[1]  # the huge block's error stays within its own 15 bits
+    assert big.abs().max() < 1e6 / 32767 * 40
+    assert torch.equal(got[2], linear.bias.detach())
+    assert got[3].isnan().all() and not got[:3].isnan().any()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -120,7 +163,8 @@ def test_config_decides_the_dtype_and_the_panels(monkeypatch):
     dtype, kind, _ = weight_plan(EngineConfig(dtype="bfloat16"))
     assert dtype == torch.float32
     assert kind == ("bfloat16dp" if _native_bf16() else "bfloat16")
-    assert weight_plan(EngineConfig(weights="int8"))[:2] == (torch.float32, "int8")
+    assert weight_plan(EngineConfig(weights="int8"))[:2] == (
+        torch.float32, "int8dp" if _vnni() else "int8")
     assert weight_plan(EngineConfig())[:2] == (torch.float32, None)
     # where the panels are not to be had, bf16 runs in torch and int8 is refused
     dtype, kind, why = weight_plan(EngineConfig(dtype="bfloat16", pack_weights=False))
