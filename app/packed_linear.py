@@ -3,7 +3,8 @@ multiplies them (CPU; float32 activations).
 
 What the copy holds is decided in one place, :func:`weight_plan`: float32, bf16 (half the
 bytes; on a CPU with AVX512-BF16 in pairs for its bf16 dot product, which also does twice
-the multiply-adds per instruction) or int8 with a scale per output channel (a quarter).
+the multiply-adds per instruction) or int8 with a scale per output channel (a quarter; on a
+CPU with AVX512-VNNI in pairs for its 16-bit integer dot product).
 
 A decode step is a few hundred small matrix products (7 per layer plus the LM head) over a
 handful of rows, and the weights come from memory every step. Two layouts:
@@ -52,9 +53,10 @@ def weight_plan(config: EngineConfig) -> tuple[torch.dtype, str | None, str]:
     float32: float32 panels (or oneDNN's layout). bfloat16 (or weights: int8): the model
     computes in float32 and its linears' panels hold bf16 (``bfloat16dp``: in pairs for the
     CPU's bf16 dot product where it has one, the inputs rounded to bf16 as they enter a
-    product; ``bfloat16``: widened to float32 in registers) or int8; where the panel kernel
-    is not to be had, bfloat16 runs through torch's modules in bf16, and int8 raises
-    ``ValueError``."""
+    product; ``bfloat16``: widened to float32 in registers) or int8 (``int8dp``: in pairs for
+    the CPU's 16-bit integer dot product where it has AVX512-VNNI, the inputs entering as
+    16-bit integers per block of 256; ``int8``: widened); where the panel kernel is not to be
+    had, bfloat16 runs through torch's modules in bf16, and int8 raises ``ValueError``."""
     dtype = config.torch_dtype
     if config.device != "cpu":
         return dtype, None, "not on the CPU"
