@@ -40,6 +40,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -59,7 +60,11 @@ _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "panel_bf16dp.c", "panel_i8dp.c",
                                           "paged_attention.c", "decode_step.c",
                                           "prefill_attention.c"))
-HEADERS = tuple(_CSRC / name for name in ("vec_math.h", "panel_body.h", "panel_body512.h"))
+HEADER = _CSRC / "kernels.h"  # every exported function: the bindings are read from it
+HEADERS = (HEADER, *(_CSRC / name for name in ("vec_math.h", "panel_body.h",
+                                                 "panel_body512.h")))
+# the instructions the build targets (-m...): what a CPU needs to load the library at all;
+# AVX-512, AVX512-BF16 and VNNI paths are chosen at run time by the CPU's own flags
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 BUILD_TIMEOUT_S = 300.0
 
@@ -70,7 +75,32 @@ WTYPES = {"float32": 0, "bfloat16": 1, "int8": 2, "bfloat16dp": 3, "int8dp": 4}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_failure: str | None = None
+_failure: tuple[str, str] | None = None  # (the compiler's identity then, why)
+
+
+class KernelError(ValueError):
+    """A kernel refused its arguments (``status``, kernels.h's ``sk_status``): the message
+    names the entry point and the argument at fault."""
+
+    def __init__(self, entry: str, status: int, meaning: str) -> None:
+        super().__init__(f"{entry} refused its arguments ({status}): {meaning}")
+        self.entry, self.status = entry, status
+
+
+def check(status: int, entry: str) -> None:
+    """Raise :class:`KernelError` for a status other than 0 from kernel ``entry``."""
+    if status != 0:
+        assert _lib is not None
+        raise KernelError(entry, status, _lib.sk_status_message(status).decode())
+
+
+def assert_kernel_tensors(**tensors: tuple[torch.Tensor, torch.dtype]) -> None:
+    """Before a pointer is taken: each ``name=(tensor, dtype)`` is on the CPU, of that
+    dtype and contiguous (AssertionError naming the argument otherwise)."""
+    for name, (tensor, dtype) in tensors.items():
+        assert tensor.device.type == "cpu", f"{name}: on {tensor.device}, not the CPU"
+        assert tensor.dtype == dtype, f"{name}: {tensor.dtype}, not {dtype}"
+        assert tensor.is_contiguous(), f"{name}: not contiguous"
 
 
 def cpu_unsupported() -> str | None:
@@ -93,14 +123,59 @@ def _compiler() -> str | None:
     return None
 
 
-def library_path(cache_dir: Path) -> Path:
-    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)
-                            + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return cache_dir / "kernels" / f"splitserve-cpu-{digest}.so"
+def compiler_identity(compiler: str | None) -> str:
+    """The compiler's name and version (its ``--version`` first line), or ``none``."""
+    if compiler is None:
+        return "none"
+    try:
+        proc = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                              timeout=30)
+        first = (proc.stdout or proc.stderr).strip().splitlines()
+        return f"{compiler}: {first[0] if first else 'unknown version'}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{compiler}: {exc}"
 
 
-def _build(target: Path) -> None:
-    compiler = _compiler()
+def _source_digest() -> str:
+    return hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)
+                          + " ".join(FLAGS).encode()).hexdigest()[:16]
+
+
+def library_path(cache_dir: Path, identity: str | None = None) -> Path:
+    """Where the library built from these sources and flags by the compiler ``identity``
+    (default: the one on PATH now) lives: a new compiler or version builds its own."""
+    identity = compiler_identity(_compiler()) if identity is None else identity
+    tag = hashlib.sha256(identity.encode()).hexdigest()[:8]
+    return cache_dir / "kernels" / f"splitserve-cpu-{_source_digest()}-{tag}.so"
+
+
+def choose_library(cache_dir: Path, identity: str) -> tuple[Path, bool]:
+    """(the library to load, whether it must be built first). The compiler's own build where
+    it exists; with no compiler, any build of these sources (an image's prebuilt one)."""
+    target = library_path(cache_dir, identity)
+    if target.exists() or identity != "none":
+        return target, not target.exists()
+    built = sorted(target.parent.glob(f"splitserve-cpu-{_source_digest()}-*.so"))
+    if not built:
+        raise RuntimeError("no C compiler (set CC, or install cc/gcc/clang) and no library "
+                           f"of these sources prebuilt in {target.parent}")
+    return built[0], False
+
+
+def openmp_mismatch(library: Path) -> str | None:
+    """Why ``library`` would bring a second OpenMP runtime into the process (it must link
+    torch's libgomp.so.1, as gcc's -fopenmp does; clang's libomp or Intel's iomp would run a
+    second thread pool against torch's), or None."""
+    data = library.read_bytes()
+    for other in (b"libomp.so", b"libiomp5.so"):
+        if other in data:
+            return f"{library.name} links {other.decode()}, not torch's libgomp.so.1"
+    if b"libgomp.so.1" not in data:
+        return f"{library.name} does not link libgomp.so.1 (torch's OpenMP runtime)"
+    return None
+
+
+def _build(target: Path, compiler: str | None) -> None:
     if compiler is None:
         raise RuntimeError("no C compiler (set CC, or install cc/gcc/clang)")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -111,82 +186,77 @@ def _build(target: Path) -> None:
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+        reason = openmp_mismatch(Path(tmp))
+        if reason is not None:
+            raise RuntimeError(f"refused the build: {reason} (build with gcc: CC=gcc)")
         os.replace(tmp, target)  # atomic: replicas building at once each load a whole file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+_CTYPES = {"long": ctypes.c_long, "int": ctypes.c_int, "float": ctypes.c_float}
+
+
+def _ctype(decl: str, result: bool = False) -> object:
+    """The ctypes type of a declaration's type (``result``: a return type)."""
+    if "*" in decl:
+        return ctypes.c_char_p if result and "char" in decl else ctypes.c_void_p
+    words = decl.replace("const", " ").split()
+    if result:
+        return None if words == ["void"] else _CTYPES[words[-1]]
+    return _CTYPES[words[0]]
+
+
+def declarations(text: str) -> dict[str, tuple[object, list[object]]]:
+    """kernels.h's functions: name -> (ctypes restype, argtypes). Pointers are addresses."""
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    out: dict[str, tuple[object, list[object]]] = {}
+    for ret, name, args in re.findall(r"([A-Za-z_][\w\s\*]*?)\b(\w+)\s*\(([^()]*)\)\s*;",
+                                      text):
+        params = [a.strip() for a in args.split(",") if a.strip() not in ("", "void")]
+        out[name] = (_ctype(ret.strip(), result=True), [_ctype(a) for a in params])
+    return out
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    ptr, size = ctypes.c_void_p, ctypes.c_long
-    lib.panel_nr.restype = size
-    lib.panel_nr.argtypes = []
-    lib.panel_floats.restype = size
-    lib.panel_floats.argtypes = [size, size]
-    lib.panel_pack.restype = None
-    lib.panel_pack.argtypes = [ptr, size, size, size, ptr]
-    lib.panel_has_avx512bf16.restype = ctypes.c_int
-    lib.panel_has_avx512bf16.argtypes = []
-    lib.panel_pair_elems.restype = size
-    lib.panel_pair_elems.argtypes = [size, size]
-    lib.panel_pack_pairs.restype = None
-    lib.panel_pack_pairs.argtypes = [ptr, size, size, size, ptr]
-    lib.panel_has_avx512vnni.restype = ctypes.c_int
-    lib.panel_has_avx512vnni.argtypes = []
-    lib.panel_pack_pairs_i8.restype = None
-    lib.panel_pack_pairs_i8.argtypes = [ptr, size, size, size, ptr]
-    lib.panel_pack_bytes.restype = ctypes.c_int
-    lib.panel_pack_bytes.argtypes = [ptr, size, size, size, ptr, size]
-    lib.panel_has_avx512.restype = ctypes.c_int
-    lib.panel_has_avx512.argtypes = []
-    lib.panel_set_avx512.restype = ctypes.c_int
-    lib.panel_set_avx512.argtypes = [ctypes.c_int]
-    lib.panel_uses_avx512.restype = ctypes.c_int
-    lib.panel_uses_avx512.argtypes = []
-    lib.panel_linear.restype = None
-    lib.panel_linear.argtypes = [ptr, size, size, ptr, size, ptr, ptr, ctypes.c_int]
-    lib.panel_linear_w.restype = ctypes.c_int
-    lib.panel_linear_w.argtypes = [ptr, size, size, ptr, ctypes.c_int, ptr, size, ptr, ptr,
-                                   ctypes.c_int]
-    lib.paged_decode_attention.restype = ctypes.c_int
-    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, size, size, size, ptr, ptr, size,
-                                           ctypes.c_float, ptr, ctypes.c_int]
-    lib.prefill_attention.restype = ctypes.c_int
-    lib.prefill_attention.argtypes = [*([ptr, size, size, size] * 4), size, size, size, size, size,
-                                      size, ptr, size, ctypes.c_float, ctypes.c_int]
-    lib.decode_step_layer_ptrs.restype = size
-    lib.decode_step_layer_ptrs.argtypes = []
-    lib.decode_step.restype = ctypes.c_int
-    lib.decode_step.argtypes = [ptr, size, size, ptr, size, size, size, size, size, ptr, ptr,
-                                ctypes.c_float, ctypes.c_float, ptr, ptr, ptr, ptr, ptr, ptr,
-                                size, ptr, ctypes.c_int, ctypes.c_int, ptr]
+    for name, (restype, argtypes) in declarations(HEADER.read_text()).items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 
 def load_kernel(cache_dir: Path | None = None) -> ctypes.CDLL:
     """The built kernel library (built on first call in this process; later calls return
-    it). Raises ``RuntimeError`` saying why it cannot be had."""
+    it, whatever their ``cache_dir``: one library a process, the same sources). Raises
+    ``RuntimeError`` saying why it cannot be had; a failure is remembered until the
+    compiler on PATH changes."""
     global _lib, _failure
     with _lock:
         if _lib is not None:
             return _lib
-        if _failure is not None:
-            raise RuntimeError(_failure)
+        compiler = _compiler()
+        identity = compiler_identity(compiler)
+        if _failure is not None and _failure[0] == identity:
+            raise RuntimeError(_failure[1])
         try:
             reason = cpu_unsupported()
             if reason is not None:
                 raise RuntimeError(reason)
-            target = library_path(cache_dir or default_cache_dir())
-            if not target.exists():
-                logger.info("building the CPU kernels into %s", target)
+            target, build = choose_library(cache_dir or default_cache_dir(), identity)
+            if build:
+                logger.info("building the CPU kernels into %s (%s)", target, identity)
                 start = time.perf_counter()
-                _build(target)
+                _build(target, compiler)
                 logger.info("built the CPU kernels in %.1f s (once per machine: a restarted "
                             "replica loads them from there)", time.perf_counter() - start)
+            reason = openmp_mismatch(target)
+            if reason is not None:
+                raise RuntimeError(f"refused {target}: {reason}")
             _lib = _bind(ctypes.CDLL(str(target)))
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-            _failure = f"CPU kernels unavailable: {exc}"
-            raise RuntimeError(_failure) from exc
+            _failure = (identity, f"CPU kernels unavailable: {exc}")
+            raise RuntimeError(_failure[1]) from exc
         return _lib
 
 

@@ -27,7 +27,7 @@ import ctypes
 
 import torch
 
-from app.cpu_kernels import WTYPES, load_kernel
+from app.cpu_kernels import WTYPES, assert_kernel_tensors, check, load_kernel
 from app.kv_cache import PagedKVCache
 from app.packed_linear import PanelLinear
 from app.paged_attention import PagedDecodeStep
@@ -148,6 +148,7 @@ class FusedDecode:
                 ptrs += [None if t is None else t.data_ptr() for t in weights]
                 # pool: [2, slots, kv_heads, head_dim]
                 assert pool.is_contiguous() and pool.dtype == torch.float32
+                assert pool.shape == cache.layers[0].shape  # one slot count for every layer
                 ptrs += [pool[0].data_ptr(), pool[1].data_ptr()]
             self._table = (ctypes.c_void_p * len(ptrs))(*ptrs)
             self._table_cache = cache
@@ -164,15 +165,21 @@ class FusedDecode:
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         logits = torch.empty((bsz, self.vocab), dtype=torch.float32)
         (write,), (read,) = step.write_slots.values(), step.read_slots.values()
+        assert_kernel_tensors(write=(write, torch.long), read=(read, torch.long),
+                              offsets=(step.offsets, torch.long))
+        assert write.numel() == bsz and step.offsets.numel() == bsz + 1
+        assert cos.shape == sin.shape == (bsz, self.head_dim)
+        assert hidden.shape == (bsz, self.hidden)
+        slots = cache.layers[0].shape[1]  # [2, slots, kv_heads, head_dim]
         head_bias = self.lm_head._bias
         rc = self._lib.decode_step(
             hidden.data_ptr(), bsz, self.num_layers, self._pointers(cache), self.hidden,
             self.heads, self.kv_heads, self.head_dim, self.inter, cos.data_ptr(),
             sin.data_ptr(), self.eps, self.scale, write.data_ptr(), read.data_ptr(),
-            step.offsets.data_ptr(), self.final_norm.data_ptr(), self.lm_head.panels.data_ptr(),
+            read.numel(), step.offsets.data_ptr(), slots, self.final_norm.data_ptr(),
+            self.lm_head.panels.data_ptr(),
             None if head_bias is None else head_bias.data_ptr(), self.vocab,
             logits.data_ptr(), torch.get_num_threads(), self.wtype,
             None if self.lm_head.weight_scale is None else self.lm_head.weight_scale.data_ptr())
-        if rc != 0:
-            raise RuntimeError(f"decode_step failed ({rc})")
+        check(rc, "decode_step")
         return logits

@@ -101,7 +101,15 @@ class PagedKVCache:
         self.devices = sorted({s.device for s in spans}, key=str)
 
     def slot_index(self, table: list[int], n: int) -> torch.Tensor:
-        """Slots of positions ``0..n-1`` of a sequence with block table ``table``: [n]."""
+        """Slots of positions ``0..n-1`` of a sequence with block table ``table``: [n].
+        ``IndexError`` where the table's blocks hold fewer than ``n`` positions or name a
+        block outside the pool (the kernels read the pool at these slots)."""
+        if n > len(table) * self.block_size:
+            raise IndexError(f"{n} positions need {-(-n // self.block_size)} blocks, the "
+                             f"table has {len(table)}")
+        blocks = self.num_slots // self.block_size
+        if table and not 0 <= min(table) <= max(table) < blocks:
+            raise IndexError(f"a block outside the pool's {blocks}: {table}")
         blocks = torch.tensor(table, dtype=torch.long)[:, None] * self.block_size
         return (blocks + torch.arange(self.block_size)).view(-1)[:n]
 

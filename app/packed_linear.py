@@ -39,7 +39,7 @@ from torch import nn
 
 from app.config import LINEAR_LAYOUTS as LAYOUTS
 from app.config import EngineConfig, dtype_name
-from app.cpu_kernels import WTYPES, kernel_unavailable, load_kernel
+from app.cpu_kernels import WTYPES, check, kernel_unavailable, load_kernel
 
 # Rows the blocked layout is tuned for. 8 served 1 to 256 rows as well as or better than
 # 1, 32 or 256 did on this project's CPU (a 2-core AMD EPYC, AVX2).
@@ -195,9 +195,9 @@ class PanelLinear(nn.Module):
                 pack(w.data_ptr(), w.stride(0), n, k, panels.data_ptr())
             else:
                 panels = torch.empty(count, dtype=w.dtype)
-                rc = self._lib.panel_pack_bytes(w.data_ptr(), w.stride(0), n, k,
-                                                panels.data_ptr(), w.element_size())
-                assert rc == 0, f"panel_pack_bytes failed ({rc})"
+                check(self._lib.panel_pack_bytes(w.data_ptr(), w.stride(0), n, k,
+                                                 panels.data_ptr(), w.element_size()),
+                      "panel_pack_bytes")
             if keep_weight:
                 self.weight = linear.weight
             elif w.dtype == torch.bfloat16:
@@ -233,8 +233,7 @@ class PanelLinear(nn.Module):
                 None if self.weight_scale is None else self.weight_scale.data_ptr(), n,
                 None if self._bias is None else self._bias.data_ptr(), out.data_ptr(),
                 torch.get_num_threads())
-            if rc != 0:
-                raise RuntimeError(f"panel_linear_w refused its arguments ({rc})")
+            check(rc, "panel_linear_w")
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:

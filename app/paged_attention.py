@@ -39,7 +39,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from app.cpu_kernels import kernel_unavailable, load_kernel
+from app.cpu_kernels import assert_kernel_tensors, check, kernel_unavailable, load_kernel
 from app.kv_cache import PagedKVCache
 
 PAGED_ATTENTION = "splitserve_paged"
@@ -266,6 +266,10 @@ def _kernel_prefill_attention(query, key, value, starts: torch.Tensor, pmax: int
     bsz, heads, seq, head_dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    assert_kernel_tensors(starts=(starts, torch.long))  # q, k, v: strided, rows contiguous
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
+    assert k.shape == v.shape == (bsz, kv_heads, total, head_dim) and total == pmax + seq
+    assert starts.numel() == bsz, "starts: one a row"
     out = torch.empty((bsz, seq, heads, head_dim), dtype=torch.float32)
     rc = load_kernel().prefill_attention(
         q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
@@ -274,26 +278,26 @@ def _kernel_prefill_attention(query, key, value, starts: torch.Tensor, pmax: int
         out.data_ptr(), out.stride(0), out.stride(2), out.stride(1),
         bsz, heads, kv_heads, seq, total, head_dim, starts.data_ptr(), pmax,
         head_dim ** -0.5 if scaling is None else float(scaling), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"prefill_attention failed ({rc}): batch {bsz}, heads {heads}/"
-                           f"{kv_heads}, {seq} queries over {total} keys, head_dim {head_dim}")
+    check(rc, "prefill_attention")
     return out
 
 
 def _inplace_attention(query, keys, values, step: PagedDecodeStep, scaling):
     bsz, heads, _, head_dim = query.shape
     kv_heads = keys.shape[1]
-    assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == torch.float32
+    read, offsets = step.read_slots[keys.device], step.offsets
+    assert_kernel_tensors(keys=(keys, torch.float32), values=(values, torch.float32),
+                          read=(read, torch.long), offsets=(offsets, torch.long))
+    assert keys.shape == values.shape and keys.shape[2] == head_dim
+    assert offsets.numel() == bsz + 1, "offsets: one more than the rows"
     q = query.reshape(bsz, heads, head_dim).to(torch.float32).contiguous()
     out = torch.empty((bsz, heads, head_dim), dtype=torch.float32)
-    read = step.read_slots[keys.device]
     rc = load_kernel().paged_decode_attention(
-        q.data_ptr(), keys.data_ptr(), values.data_ptr(), kv_heads, head_dim,
-        heads // kv_heads, read.data_ptr(), step.offsets.data_ptr(), bsz,
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[0], kv_heads, head_dim,
+        heads // kv_heads, read.data_ptr(), read.numel(), offsets.data_ptr(), bsz,
         head_dim ** -0.5 if scaling is None else float(scaling), out.data_ptr(),
         torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"paged_decode_attention failed ({rc})")
+    check(rc, "paged_decode_attention")
     return out.view(bsz, 1, heads, head_dim).to(query.dtype)
 
 

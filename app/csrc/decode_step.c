@@ -20,7 +20,8 @@
  * by side, down, any biases (NULL when absent), int8 panels' column scales, and the layer's KV pool (keys, values:
  * [slots, kv_heads, head_dim] each). Row b writes its new key and value at write[b] and
  * attends the slots read[offsets[b] .. offsets[b + 1]) (its own, in position order,
- * the new one last).
+ * the new one last). Those indices are checked against the pool's `slots` and read's
+ * `nread` entries before anything is written (paged_slots_check).
  *
  * Built at run time by app/cpu_kernels.py with the other kernels.
  */
@@ -29,14 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "vec_math.h"
-
-int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
-                   const float *scale, long n, const float *bias, float *y, int threads);
-int paged_decode_attention(const float *q, const float *keys, const float *values,
-                           long kv_heads, long hd, long group, const long *read,
-                           const long *offsets, long rows, float scale, float *out,
-                           int threads);
 
 enum {
     IN_NORM,   /* [hidden] */
@@ -113,25 +108,32 @@ static void add_into(float *x, const float *y, long n) {
 
 /* hidden [m, H] (updated in place) through n_layers layers; then, when head is not NULL,
    the final norm and the LM head's product into logits [m, vocab]. cos, sin: [m, hd].
-   Returns 0, -1 for shapes the kernels do not take, -2 when scratch memory cannot be had,
-   attention's own failure code minus 10, or -20 when a product refuses its arguments. */
+   Returns SK_OK; SK_UNSUPPORTED for a head_dim the kernels do not take; SK_BAD_SHAPE for
+   counts out of range; paged_slots_check's statuses (nothing written); SK_NO_MEMORY; or a
+   product's or attention's own status. */
 int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hsize,
                 long heads, long kv_heads, long hd, long inter, const float *cos,
                 const float *sin, float eps, float scale, const long *write, const long *read,
-                const long *offsets, const float *final_norm, const float *head,
-                const float *head_bias, long vocab, float *logits, int threads, int wtype,
-                const float *head_scale) {
-    if (hd % 8 != 0 || kv_heads < 1 || heads % kv_heads != 0 || m < 1) return -1;
+                long nread, const long *offsets, long slots, const float *final_norm,
+                const float *head, const float *head_bias, long vocab, float *logits,
+                int threads, int wtype, const float *head_scale) {
+    if (m < 1 || n_layers < 0 || hsize < 1 || inter < 1 || heads < 1 || kv_heads < 1
+        || heads % kv_heads != 0 || hd < 1 || vocab < 1 || threads < 1 || ptrs == NULL
+        || hidden == NULL || cos == NULL || sin == NULL || write == NULL)
+        return SK_BAD_SHAPE;
+    if (hd % 8 != 0) return SK_UNSUPPORTED;
+    int status = paged_slots_check(write, m, read, nread, offsets, slots);
+    if (status != SK_OK) return status;
     long nq = heads * hd, nkv = kv_heads * hd, nqkv = nq + 2 * nkv;
     long widest = nqkv > 2 * inter ? nqkv : 2 * inter;
     float *scratch = malloc(sizeof(float) * (size_t)(m * (2 * hsize + 2 * nq + widest + inter)));
-    if (scratch == NULL) return -2;
+    if (scratch == NULL) return SK_NO_MEMORY;
     float *xn = scratch, *tmp = xn + m * hsize, *q = tmp + m * hsize, *att = q + m * nq;
     float *wide = att + m * nq, *act = wide + m * widest;
     int rc = 0;
 /* one of the layer's products: its panels, bias and scales from the table */
 #define LINEAR(in, k, P, n, out)                                                               \
-    (panel_linear_w(in, m, k, w[P], wtype, w[P##_SCALE], n, w[P##_BIAS], out, threads) ? -20 : 0)
+    panel_linear_w(in, m, k, w[P], wtype, w[P##_SCALE], n, w[P##_BIAS], out, threads)
     for (long l = 0; l < n_layers && rc == 0; l++) {
         void *const *w = ptrs + l * LAYER_PTRS;
         float *keys = w[KEYS], *values = w[VALUES];
@@ -146,12 +148,9 @@ int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hs
             memcpy(keys + write[b] * nkv, row + nq, sizeof(float) * nkv);
             memcpy(values + write[b] * nkv, row + nq + nkv, sizeof(float) * nkv);
         }
-        int arc = paged_decode_attention(q, keys, values, kv_heads, hd, heads / kv_heads, read,
-                                         offsets, m, scale, att, threads);
-        if (arc != 0) {
-            rc = arc - 10;
-            break;
-        }
+        rc = paged_decode_attention(q, keys, values, slots, kv_heads, hd, heads / kv_heads,
+                                    read, nread, offsets, m, scale, att, threads);
+        if (rc != SK_OK) break;
         rc = LINEAR(att, nq, O, hsize, tmp);
         add_into(hidden, tmp, m * hsize);
         rms_norm(hidden, m, hsize, w[POST_NORM], eps, xn);
@@ -162,9 +161,8 @@ int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hs
     }
     if (rc == 0 && head != NULL) {
         rms_norm(hidden, m, hsize, final_norm, eps, xn);
-        int prc = panel_linear_w(xn, m, hsize, head, wtype, head_scale, vocab, head_bias, logits,
-                                 threads);
-        rc = prc ? -20 : 0;
+        rc = panel_linear_w(xn, m, hsize, head, wtype, head_scale, vocab, head_bias, logits,
+                            threads);
     }
 #undef LINEAR
     free(scratch);

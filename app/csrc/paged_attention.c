@@ -13,12 +13,17 @@
  * pool, as in panel_gemm.c).
  *
  * The layer's pool is [2, slots, kv_heads, head_dim] (keys, then values), contiguous.
+ *
+ * Checked before anything is read (paged_slots_check): offsets rise from 0 to at most the
+ * length of read, and every slot read is within the pool (a few hundred comparisons a
+ * layer: nothing against the attention they guard).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 static inline float dot8(const float *a, const float *b, long n) {
@@ -150,13 +155,38 @@ static void one_head64(const float *q, const float *keys, const float *values, l
     }
 }
 
-/* q, out: [rows, kv_heads * group, hd]. Returns 0, or -1 when hd is not a multiple of 8, -2
-   when scratch memory cannot be had. */
-int paged_decode_attention(const float *q, const float *keys, const float *values,
-                           long kv_heads, long hd, long group, const long *read,
+/* rows' new slots write[0 .. rows) (NULL: none) and the slots they read, read[offsets[b] ..
+   offsets[b + 1]) for row b, against a pool of `slots` slots and a read of nread entries.
+   Returns SK_OK, SK_BAD_SHAPE (rows, nread or slots below 0, a NULL offsets or read),
+   SK_BAD_OFFSETS, SK_BAD_WRITE or SK_BAD_READ. */
+int paged_slots_check(const long *write, long rows, const long *read, long nread,
+                      const long *offsets, long slots) {
+    if (rows < 0 || nread < 0 || slots < 0 || offsets == NULL || (nread > 0 && read == NULL))
+        return SK_BAD_SHAPE;
+    if (offsets[0] != 0) return SK_BAD_OFFSETS;
+    for (long b = 0; b < rows; b++)
+        if (offsets[b + 1] < offsets[b] || offsets[b + 1] > nread) return SK_BAD_OFFSETS;
+    if (write != NULL)
+        for (long b = 0; b < rows; b++)
+            if (write[b] < 0 || write[b] >= slots) return SK_BAD_WRITE;
+    for (long i = 0; i < offsets[rows]; i++)
+        if (read[i] < 0 || read[i] >= slots) return SK_BAD_READ;
+    return SK_OK;
+}
+
+/* q, out: [rows, kv_heads * group, hd]; keys, values: [slots, kv_heads, hd]. Returns SK_OK,
+   SK_UNSUPPORTED when hd is not a multiple of 8, SK_BAD_SHAPE for counts out of range,
+   paged_slots_check's statuses, or SK_NO_MEMORY. */
+int paged_decode_attention(const float *q, const float *keys, const float *values, long slots,
+                           long kv_heads, long hd, long group, const long *read, long nread,
                            const long *offsets, long rows, float scale, float *out,
                            int threads) {
-    if (hd % 8 != 0) return -1;
+    if (kv_heads < 1 || group < 1 || hd < 1 || threads < 1) return SK_BAD_SHAPE;
+    if (hd % 8 != 0) return SK_UNSUPPORTED;
+    int status = paged_slots_check(NULL, rows, read, nread, offsets, slots);
+    if (status != SK_OK) return status;
+    if (rows > 0 && (q == NULL || keys == NULL || values == NULL || out == NULL))
+        return SK_BAD_SHAPE;
     long longest = 0;
     for (long b = 0; b < rows; b++) {
         long n = offsets[b + 1] - offsets[b];
@@ -166,7 +196,7 @@ int paged_decode_attention(const float *q, const float *keys, const float *value
     if (threads < 1 || tasks * longest < 4096) threads = 1;
     long per = group * (longest > 0 ? longest : 1);
     float *scratch = malloc(sizeof(float) * (size_t)(per * threads));
-    if (scratch == NULL) return -2;
+    if (scratch == NULL) return SK_NO_MEMORY;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < tasks; t++) {
         float *scores = scratch + per * omp_get_thread_num();
@@ -184,5 +214,5 @@ int paged_decode_attention(const float *q, const float *keys, const float *value
         }
     }
     free(scratch);
-    return 0;
+    return SK_OK;
 }

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define NR 16
 #define MB 48
 #define GROUP_BYTES (256L * 1024)
@@ -181,8 +183,8 @@ static void dp_run(const uint32_t *xb, long m, long kp, const uint16_t *p, long 
     }
 }
 
-/* y [m, n] = x [m, k] @ W^T + bias, W packed by panel_pack_pairs. Returns 0, -2 for a shape
-   it does not take, -4 where the CPU lacks AVX512-BF16, -5 when scratch cannot be had. */
+/* y [m, n] = x [m, k] @ W^T + bias, W packed by panel_pack_pairs. Returns SK_OK,
+   SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-BF16, SK_NO_MEMORY. */
 int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, const float *bias,
                   float *y, int threads) {
     static int supported = -1;
@@ -191,11 +193,11 @@ int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, con
         ok = panel_has_avx512bf16();
         __atomic_store_n(&supported, ok, __ATOMIC_RELAXED);
     }
-    if (!ok) return -4;
-    if (m < 0 || k < 1 || n < 1) return -2;
+    if (!ok) return SK_NO_ISA;
+    if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
     long kp = (k + 1) / 2, panels = (n + NR - 1) / NR;
     uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)(m * kp));
-    if (xb == NULL) return -5;
+    if (xb == NULL) return SK_NO_MEMORY;
     to_pairs(x, m, k, xb);
     if (threads > panels) threads = (int)panels;
     if (threads <= 1 || m * n * k < 65536) {
@@ -223,5 +225,5 @@ int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, con
         }
     }
     free(xb);
-    return 0;
+    return SK_OK;
 }

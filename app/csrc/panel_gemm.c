@@ -51,6 +51,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define NR 16
 #define MR 6
 #define MB 48
@@ -62,12 +64,23 @@
 /* The kinds of weight a panel holds (panel_linear_w's wtype; app/cpu_kernels.py's WTYPES). */
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_BF16DP = 3, W_I8DP = 4 };
 
-/* bf16 pair panels through the CPU's bf16 dot product (panel_bf16dp.c) */
-int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, const float *bias,
-                  float *y, int threads);
-/* int8 pair panels through the CPU's 16-bit integer dot product (panel_i8dp.c) */
-int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
-                const float *scale, float *y, int threads);
+const char *sk_status_message(int status) {
+    switch (status) {
+    case SK_OK: return "ok";
+    case SK_UNSUPPORTED: return "shapes this kernel does not serve (torch's path serves them)";
+    case SK_NO_MEMORY: return "scratch memory could not be had";
+    case SK_BAD_SHAPE: return "a count or width out of range (rows, k, n, heads, head_dim, "
+                              "threads) or a required pointer is NULL";
+    case SK_BAD_KIND: return "wtype: an unknown kind of weight, or int8 panels without scales";
+    case SK_NO_ISA: return "wtype: the CPU lacks the instructions this kind of panel needs";
+    case SK_BAD_WRITE: return "write: a slot outside the pool";
+    case SK_BAD_READ: return "read: a slot outside the pool";
+    case SK_BAD_OFFSETS: return "offsets: not rising from 0 to at most the length of read";
+    case SK_BAD_STARTS: return "starts: a row's cached positions outside [0, pmax]";
+    case SK_BAD_SIZE: return "size: an element size other than 1 or 2 bytes";
+    default: return "unknown status";
+    }
+}
 
 long panel_nr(void) { return NR; }
 
@@ -95,9 +108,9 @@ void panel_pack(const float *w, long ldw, long n, long k, float *p) {
     pack_any((const char *)w, ldw, n, k, (char *)p, sizeof(float));
 }
 
-/* panel_pack for 2-byte (bf16) or 1-byte (int8) weights. Returns 0, or -1 for another size. */
+/* panel_pack for 2-byte (bf16) or 1-byte (int8) weights. Returns SK_OK, or SK_BAD_SIZE. */
 int panel_pack_bytes(const void *w, long ldw, long n, long k, void *p, long size) {
-    if (size != 2 && size != 1) return -1;
+    if (size != 2 && size != 1) return SK_BAD_SIZE;
     pack_any(w, ldw, n, k, p, (size_t)size);
     return 0;
 }
@@ -167,23 +180,21 @@ void panel_linear(const float *x, long m, long k, const float *p, long n, const 
 
 /* The same for any kind of panels (wtype: W_F32, W_BF16 or W_I8 packed here, W_BF16DP by
    panel_pack_pairs, W_I8DP by panel_pack_pairs_i8; scale: int8's [n] column scales, else
-   ignored). Returns 0, -1 for an unknown wtype, -2 for a shape it does not take (m < 0, k or
-   n < 1), -3 for int8 panels without scales, or linear_bf16dp's / linear_i8dp's own code. */
+   ignored). Returns SK_OK; SK_BAD_SHAPE (m < 0, k or n < 1, threads < 1, a NULL x, p or y);
+   SK_BAD_KIND (an unknown wtype, int8 panels without scales); or linear_bf16dp's /
+   linear_i8dp's own status. */
 int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
                    const float *scale, long n, const float *bias, float *y, int threads) {
-    if (m < 0 || k < 1 || n < 1) return -2;
-    if (m == 0) return 0;
+    if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
+    if (wtype < W_F32 || wtype > W_I8DP) return SK_BAD_KIND;
+    if ((wtype == W_I8 || wtype == W_I8DP) && scale == NULL) return SK_BAD_KIND;
+    if (m == 0) return SK_OK;
+    if (x == NULL || p == NULL || y == NULL) return SK_BAD_SHAPE;
     switch (wtype) {
-    case W_F32: linear_f32(x, m, k, p, n, bias, NULL, y, threads); return 0;
-    case W_BF16: linear_bf16(x, m, k, p, n, bias, NULL, y, threads); return 0;
-    case W_I8:
-        if (scale == NULL) return -3;
-        linear_i8(x, m, k, p, n, bias, scale, y, threads);
-        return 0;
+    case W_F32: linear_f32(x, m, k, p, n, bias, NULL, y, threads); return SK_OK;
+    case W_BF16: linear_bf16(x, m, k, p, n, bias, NULL, y, threads); return SK_OK;
+    case W_I8: linear_i8(x, m, k, p, n, bias, scale, y, threads); return SK_OK;
     case W_BF16DP: return linear_bf16dp(x, m, k, p, n, bias, y, threads);
-    case W_I8DP:
-        if (scale == NULL) return -3;
-        return linear_i8dp(x, m, k, p, n, bias, scale, y, threads);
-    default: return -1;
+    default: return linear_i8dp(x, m, k, p, n, bias, scale, y, threads);
     }
 }

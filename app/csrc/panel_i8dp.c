@@ -37,6 +37,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define NR 16
 #define MB 48
 #define KB 128 /* pairs of k per block of the inputs' scales */
@@ -255,8 +257,7 @@ static void vn_run(const struct vn_job *j, long q0, long q1) {
 }
 
 /* y [m, n] = x [m, k] @ (W * scale)^T + bias, W packed by panel_pack_pairs_i8, scale [n].
-   Returns 0, -2 for a shape it does not take, -4 where the CPU lacks AVX512-VNNI, -5 when
-   scratch cannot be had. */
+   Returns SK_OK, SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
 int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
                 const float *scale, float *y, int threads) {
     static int supported = -1;
@@ -265,15 +266,15 @@ int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const f
         ok = panel_has_avx512vnni();
         __atomic_store_n(&supported, ok, __ATOMIC_RELAXED);
     }
-    if (!ok) return -4;
-    if (m < 0 || k < 1 || n < 1) return -2;
+    if (!ok) return SK_NO_ISA;
+    if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
     long kp = (k + 1) / 2, panels = (n + NR - 1) / NR, blocks = (kp + KB - 1) / KB;
     uint32_t *xq = malloc(sizeof(uint32_t) * (size_t)(m * kp));
     float *xs = malloc(sizeof(float) * (size_t)(m * blocks));
     if (xq == NULL || xs == NULL) {
         free(xq);
         free(xs);
-        return -5;
+        return SK_NO_MEMORY;
     }
     to_i16(x, m, k, xq, xs);
     struct vn_job job = {xq, xs, scale, bias, p, y, m, kp, blocks, n};
@@ -301,5 +302,5 @@ int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const f
     }
     free(xq);
     free(xs);
-    return 0;
+    return SK_OK;
 }

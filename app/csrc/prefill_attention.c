@@ -37,14 +37,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 #define KP 16   /* key positions per panel: one zmm */
 #define QB 12   /* query positions per block */
 #define DMAX 256
-
-int panel_uses_avx512(void);
-void panel_pack(const float *w, long ldw, long n, long k, float *p);
 
 /* scores[r][0..16) = q_r . keys of one panel, for mr (1..12) query rows (stride qs). */
 #define SC_DECL(i) __m512 s##i = _mm512_setzero_ps()
@@ -338,22 +336,31 @@ static void attend_block8(int mr, long i0, const float *q, long qs, const float 
     }
 }
 
-/* Returns 0, or -1 when these shapes are not ones the kernel serves (the caller then takes
-   torch's attention), or -2 when scratch memory could not be had. AVX-512 where the panel
-   kernel uses it (panel_uses_avx512), AVX2 otherwise. */
+/* Returns SK_OK; SK_UNSUPPORTED for a head_dim the kernel does not serve (the engine checks
+   the model's at start-up, app/paged_attention.py:prefill_attention_unavailable, and then
+   runs every pass in torch's attention; at call time it is an error); SK_BAD_SHAPE for counts out of range (batch, s, pmax < 0, heads
+   not a multiple of kv_heads, t not pmax + s, threads < 1); SK_BAD_STARTS for a row whose
+   cached positions are not within [0, pmax]; SK_NO_MEMORY. AVX-512 where the panel kernel
+   uses it (panel_uses_avx512), AVX2 otherwise. */
 int prefill_attention(const float *q, long qsb, long qsh, long qss,
                       const float *k, long ksb, long ksh, long kss,
                       const float *v, long vsb, long vsh, long vss,
                       float *out, long osb, long osh, long oss,
                       long batch, long heads, long kv_heads, long s, long t, long d,
                       const long *starts, long pmax, float scale, int threads) {
-    if (d % 16 != 0 || d > DMAX || heads % kv_heads != 0 || t != pmax + s)
-        return -1;
+    if (batch < 0 || s < 0 || pmax < 0 || heads < 1 || kv_heads < 1 || heads % kv_heads != 0
+        || t != pmax + s || threads < 1)
+        return SK_BAD_SHAPE;
+    if (d < 16 || d % 16 != 0 || d > DMAX) return SK_UNSUPPORTED;
+    if (batch * s == 0) return SK_OK;
+    if (q == NULL || k == NULL || v == NULL || out == NULL || starts == NULL) return SK_BAD_SHAPE;
+    for (long b = 0; b < batch; b++)
+        if (starts[b] < 0 || starts[b] > pmax) return SK_BAD_STARTS;
     int wide = panel_uses_avx512();
     long group = heads / kv_heads, tp = (t + KP - 1) / KP;
     long per = tp * d * KP;
     float *kt = aligned_alloc(64, (size_t)(batch * kv_heads * per) * sizeof(float) + 64);
-    if (kt == NULL) return -2;
+    if (kt == NULL) return SK_NO_MEMORY;
     long pairs = batch * kv_heads;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long bg = 0; bg < pairs; bg++) {
@@ -374,5 +381,5 @@ int prefill_attention(const float *q, long qsb, long qsh, long qss,
             starts[b], pmax, scale);
     }
     free(kt);
-    return 0;
+    return SK_OK;
 }

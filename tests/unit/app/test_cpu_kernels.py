@@ -198,8 +198,9 @@ def test_in_place_attention_equals_sdpa_over_each_rows_own_slots(head_dim, threa
     q = torch.randn(len(lengths), kv_heads * group, head_dim)
     out = torch.empty_like(q)
     assert lib.paged_decode_attention(
-        q.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(), kv_heads, head_dim, group,
-        read.data_ptr(), offsets.data_ptr(), len(lengths), 0.125, out.data_ptr(), threads) == 0
+        q.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(), slots, kv_heads, head_dim, group,
+        read.data_ptr(), read.numel(), offsets.data_ptr(), len(lengths), 0.125, out.data_ptr(),
+        threads) == 0
     for b, slots_b in enumerate(per_row):
         k = pool[0, slots_b].transpose(0, 1).repeat_interleave(group, 0)  # [heads, n, hd]
         v = pool[1, slots_b].transpose(0, 1).repeat_interleave(group, 0)
