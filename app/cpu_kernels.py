@@ -65,7 +65,9 @@ HEADERS = (HEADER, *(_CSRC / name for name in ("vec_math.h", "panel_body.h",
                                                  "panel_body512.h")))
 # the instructions the build targets (-m...): what a CPU needs to load the library at all;
 # AVX-512, AVX512-BF16 and VNNI paths are chosen at run time by the CPU's own flags
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+         # extra flags for a checking build (make test-kernels-asan); part of the name
+         *os.environ.get("SPLITSERVE_KERNEL_CFLAGS", "").split())
 BUILD_TIMEOUT_S = 300.0
 
 # the kinds of weight a panel holds, as panel_gemm.c numbers them (panel_linear_w's wtype)
@@ -243,7 +245,7 @@ def load_kernel(cache_dir: Path | None = None) -> ctypes.CDLL:
             reason = cpu_unsupported()
             if reason is not None:
                 raise RuntimeError(reason)
-            target, build = choose_library(cache_dir or default_cache_dir(), identity)
+            target, build = choose_library(Path(cache_dir or default_cache_dir()), identity)
             if build:
                 logger.info("building the CPU kernels into %s (%s)", target, identity)
                 start = time.perf_counter()
@@ -267,3 +269,26 @@ def kernel_unavailable(cache_dir: Path | None = None) -> str | None:
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m app.cpu_kernels [--cache-dir DIR]``: build (or find) the library now, as
+    an image build does, and say where it is and which compiler built it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="default: $SPLITSERVE_CACHE or ~/.cache/splitserve")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        lib = load_kernel(args.cache_dir)
+    except RuntimeError as exc:
+        print(exc)
+        return 1
+    print(f"{lib._name} ({compiler_identity(_compiler())})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

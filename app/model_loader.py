@@ -293,8 +293,10 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
         dtype, kind, why = weight_plan(config)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    logger.info("dtype %s (%s); weights: %s", config.resolved_dtype,
-                resolve_dtype(config.dtype, config.device)[1], why)
+    # bf16 through torch's modules (the kernel unavailable) is the slow path: a WARNING
+    logger.log(logging.WARNING if "torch's modules" in why else logging.INFO,
+               "dtype %s (%s); weights: %s", config.resolved_dtype,
+               resolve_dtype(config.dtype, config.device)[1], why)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             where,
@@ -324,7 +326,7 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
             count = pack_linears(model, layout=layout, cache_dir=cache)
             logger.info("packed %d linear layers (layout %s)", count, layout)
         else:
-            logger.info("linear weights left unpacked: %s", reason)
+            logger.warning("linear weights left unpacked (torch's products): %s", reason)
     return model
 
 

@@ -37,6 +37,7 @@ from app.fused_decode import FusedDecode, fused_decode_unavailable
 from app.kv_cache import PagedKVCache, layer_spans
 from app.kv_package import KVLayout
 from app.model_loader import ModelShape, check_architecture
+from app.packed_linear import weight_kind
 from app.paged_attention import (
     PAGED_ATTENTION,
     MixedCacheView,
@@ -147,17 +148,32 @@ class ModelRunner:
             self.dtype, [span.device for span in self.spans], self.shape.head_dim,
             config.resolved_cache_dir)
         self.prefill_kernel = self.prefill_attention_reason is None
-        if not self.prefill_kernel:
-            logger.info("prefill attention runs in the model's SDPA: %s",
-                        self.prefill_attention_reason)
         # and the whole decode step in one kernel call where the model is one it computes
         reason = None if config.fused_decode else "turned off (fused_decode: false)"
         self.fused_reason = reason or fused_decode_unavailable(model, self.inplace_attention)
         self.fused = FusedDecode(model) if self.fused_reason is None else None
-        if self.fused is None:
-            logger.info("decode steps run through the model's modules: %s", self.fused_reason)
-        else:
-            logger.info("decode steps run as one call to the fused kernel (app.fused_decode)")
+        self._log_paths()
+
+    def _log_paths(self) -> None:
+        """Each part's path at start-up: a slow path the config did not ask for is a WARNING
+        with its reason (a replica that could not build or load the kernels says so)."""
+        for part, why, slow in (
+                ("decode attention", self.inplace_reason, "a gathered copy and SDPA"),
+                ("prefill attention", self.prefill_attention_reason, "the model's SDPA"),
+                ("decode steps", self.fused_reason, "the model's modules")):
+            if why is None:
+                logger.info("%s run in the engine's kernels", part)
+            else:
+                level = logging.INFO if why.startswith("turned off") else logging.WARNING
+                logger.log(level, "%s run through %s: %s", part, slow, why)
+
+    def kernel_paths(self) -> dict[str, str]:
+        """Which path each part runs (the ``splitserve_kernel_path`` gauge's labels)."""
+        kind = weight_kind(self.model)
+        return {"linear": f"panels_{kind}" if kind else "torch",
+                "decode_attention": "kernel" if self.inplace_attention else "torch",
+                "prefill_attention": "kernel" if self.prefill_kernel else "torch",
+                "decode_step": "fused" if self.fused is not None else "modules"}
 
     def _layers_forward(self, hidden, position_ids, mask, cache,
                         **attention_kwargs) -> torch.Tensor:

@@ -42,8 +42,8 @@ class _Metrics:
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return self._tagged(Counter(name, doc, tag_keys=(MODEL_LABEL, *labels)))
 
-    def gauge(self, name: str, doc: str) -> Gauge:
-        return self._tagged(Gauge(name, doc, tag_keys=(MODEL_LABEL,)))
+    def gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return self._tagged(Gauge(name, doc, tag_keys=(MODEL_LABEL, *labels)))
 
     def histogram(self, name: str, doc: str, boundaries: list[float]) -> Histogram:
         return self._tagged(Histogram(name, doc, boundaries=boundaries,
@@ -151,9 +151,25 @@ class DecodeMetrics(_Metrics):
                                     "sequences.")
 
 
+class KernelMetrics(_Metrics):
+    """Which path each of a replica's engine parts runs (app.model_runner.kernel_paths): 1 for
+    the path in force, so a dashboard shows a replica that fell back to the slow one."""
+
+    def __init__(self, model_name: str) -> None:
+        super().__init__(model_name)
+        self.path = self.gauge("splitserve_kernel_path", "1 for the path each engine part "
+                               "runs: kind (linear, decode_attention, prefill_attention, "
+                               "decode_step) and path (e.g. kernel, torch, fused, modules).",
+                               ("kind", "path"))
+
+    def record(self, paths: dict[str, str]) -> None:
+        for kind, path in paths.items():
+            self.path.set(1, tags={"kind": kind, "path": path})
+
+
 def declared_names() -> set[str]:
     """Every metric name this app declares, as declared (Ray exports it with ``ray_``)."""
     names: set[str] = set()
-    for cls in (IngressMetrics, PrefillMetrics, DecodeMetrics):
+    for cls in (IngressMetrics, PrefillMetrics, DecodeMetrics, KernelMetrics):
         names.update(m.info["name"] for m in cls("x").metrics())
     return names

@@ -16,7 +16,7 @@ from app.kv_package import KVPackage
 from app.messages import PrefillRequest
 from deployments import autoscaling
 from deployments.args import AppArgs
-from deployments.metrics import PrefillMetrics
+from deployments.metrics import KernelMetrics, PrefillMetrics
 from deployments.prefill_queue import PrefillQueue
 from deployments.replica import (
     current_replica_id,
@@ -40,6 +40,7 @@ class PrefillServer:
                                      eos_token_ids=model_eos_token_ids(self.core),
                                      lanes=self.core.config.prefill_lanes)
         self.node_id = ray.get_runtime_context().get_node_id()
+        KernelMetrics(self.args.model_name).record(self.core.runner.kernel_paths())
 
     async def make_kv_package(self, req: PrefillRequest) -> KVPackage:
         """Prefill one prompt (batched with others that arrive together)."""

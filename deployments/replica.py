@@ -21,7 +21,7 @@ from app.kv_package import KVPackage
 from app.messages import StreamStart
 from app.model_loader import load_tokenizer
 from deployments.args import AppArgs
-from deployments.metrics import DecodeMetrics
+from deployments.metrics import DecodeMetrics, KernelMetrics
 from deployments.prefill_queue import _stall
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class DecodeReplica:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.replica_id = current_replica_id()
         self.metrics = DecodeMetrics(self.args.model_name)
+        KernelMetrics(self.args.model_name).record(self.core.runner.kernel_paths())
         self.started = 0
         self.kv_bytes_received = 0
         self.hop_s_total = 0.0

@@ -207,3 +207,42 @@ def test_a_failure_is_retried_when_the_compiler_changes(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="cc failed: fake"):
         cpu_kernels.load_kernel(tmp_path)
     assert built and built[0].parent == tmp_path / "kernels"
+
+
+NO_COMPILER = textwrap.dedent("""
+    import asyncio, logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    from app.config import EngineConfig
+    from app.engine_core import EngineCore
+    from app.packed_linear import pack_linears
+    from tests.conftest import engine_greedy, hf_greedy, make_tiny_model
+    cache = sys.argv[1]
+    try:
+        pack_linears(make_tiny_model(seed=4), layout="panels", cache_dir=cache)
+        raise SystemExit("packed without a compiler")
+    except ValueError as exc:
+        assert "no C compiler" in str(exc), exc
+    core = EngineCore(EngineConfig(max_batch_size=4, cache_dir=cache),
+                      model=make_tiny_model(seed=4))
+    assert core.runner.fused is None and not core.runner.inplace_attention
+    assert set(core.runner.kernel_paths().values()) == {"torch", "modules"}
+    outs, _ = asyncio.run(engine_greedy(core, [[5, 9, 13], [300, 41]], 6))
+    assert outs == [hf_greedy(make_tiny_model(seed=4), p, 6) for p in ([5, 9, 13], [300, 41])]
+    print("SERVED")
+""")
+
+
+def test_without_a_compiler_the_engine_warns_why_and_serves_on_torch(tmp_path):
+    """No compiler on PATH and no prebuilt library: each slow path is a WARNING naming the
+    reason, and the answers are the plain model's."""
+    import os
+
+    env = {**os.environ, "PATH": str(tmp_path / "empty-bin"), "CC": ""}
+    proc = subprocess.run([sys.executable, "-c", NO_COMPILER, str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=600, env=env,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert proc.returncode == 0 and "SERVED" in proc.stdout, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING")]
+    assert any("decode steps run through the model's modules" in w for w in warnings)
+    assert any("prefill attention run through the model's SDPA" in w
+               and "no C compiler" in w for w in warnings), warnings

@@ -221,6 +221,20 @@ def test_decode_replica_records_steps_once_and_its_batch(records):
     assert _values("splitserve_decode_kv_tokens")[-1] == 256
 
 
+def test_each_engine_part_s_path_is_a_gauge(records, tiny_model):
+    """splitserve_kernel_path{kind, path}: 1 for the path each part runs, as the runner
+    reports it (a tiny model left unpacked runs torch's products and the modules' step)."""
+    from app.config import EngineConfig
+    from app.model_runner import ModelRunner
+
+    paths = ModelRunner(tiny_model, EngineConfig(pack_weights=False)).kernel_paths()
+    assert paths["linear"] == "torch" and paths["decode_step"] == "modules"
+    metrics.KernelMetrics(MODEL).record(paths)
+    assert _values("splitserve_kernel_path", kind="linear", path="torch") == [1]
+    assert _values("splitserve_kernel_path", kind="decode_step", path="modules") == [1]
+    assert len(RECORDS["splitserve_kernel_path"]) == 4
+
+
 async def test_decode_server_records_the_kv_hop(records):
     async def stream(package):
         yield "token"
@@ -245,6 +259,7 @@ async def test_every_declared_metric_is_recorded(records, smollm_tokenizer, tiny
                 lambda: test_prefill_queue_records_passes_load_and_cache(records, tiny_model),
                 lambda: test_prefix_cache_evictions_are_counted_once(records),
                 lambda: test_decode_replica_records_steps_once_and_its_batch(records),
+                lambda: test_each_engine_part_s_path_is_a_gauge(records, tiny_model),
                 lambda: test_decode_server_records_the_kv_hop(records)):
         result = run()
         if asyncio.iscoroutine(result):
