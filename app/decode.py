@@ -37,6 +37,7 @@ from app.messages import FinishReason, TokenEvent
 from app.model_runner import ModelRunner
 from app.sampling import sample_tokens, token_logprobs
 from app.sequence import Sequence, SequenceStatus
+from app.structured import Grammars
 
 if TYPE_CHECKING:
     from app.prefill import ChunkPlan
@@ -80,8 +81,10 @@ class Decoder:
         max_batch_size: int,
         max_kv_tokens: int,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        grammars: Grammars | None = None,
     ) -> None:
         self.runner = runner
+        self.grammars = grammars  # constrained answers' matchers (app.structured)
         self.eos_token_ids = eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_kv_tokens = max_kv_tokens
@@ -122,6 +125,11 @@ class Decoder:
             self.cache.write(seq.blocks, package.kv_tensor(self.runner.kv_device))
             seq.kv_len, seq.status = package.seq_len, SequenceStatus.RUNNING
             seq.joined_at = time.perf_counter()
+            constraint = seq.sampling.constraint
+            if constraint is not None:  # rebuilt past the tokens the stream has output
+                assert self.grammars is not None, "a constrained answer needs grammars"
+                seq.matcher = self.grammars.matcher(constraint, seq.generated_token_ids,
+                                                    self.eos_token_ids)
             self.running.append(seq)
 
     def _grow(self, seq: Sequence) -> None:
@@ -196,6 +204,7 @@ class Decoder:
             if any(p.counts_output for p in params)
             else None,
             eos_token_ids=self.eos_token_ids,
+            matchers=[s.matcher for s in batch] if any(s.matcher for s in batch) else None,
         )
         self.steps += 1
         for seq, tok, lp in zip(batch, tokens, token_logprobs(logits, params, tokens),

@@ -4,6 +4,7 @@ the colocated baseline."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ from app.output import GenerationOutput, StreamDelta, text_deltas
 from app.prefill import Prefiller
 from app.prefix_cache import PrefixCache
 from app.sampling import SamplingParams
+from app.structured import Grammars
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,6 +80,8 @@ class EngineCore:
             self.model = model
             self.fingerprint = fingerprint(model).as_str()
         self.runner = ModelRunner(self.model, config)
+        # structured outputs: the tokenizer is loaded on the first constrained answer
+        self.grammars = Grammars(functools.partial(load_tokenizer, config))
 
     def lane(self, index: int) -> ThreadPoolExecutor:
         """Engine thread ``index``: 0 is ``thread``, the others are made on first use."""
@@ -96,7 +100,7 @@ class EngineCore:
         ``eos_token_ids``: the decoder's, masked from a first token under ``min_tokens``."""
         mb = self.config.prefix_cache_mb
         cache = PrefixCache(self.fingerprint, mb << 20) if mb > 0 else None
-        return Prefiller(self.runner, self.fingerprint, cache, eos_token_ids)
+        return Prefiller(self.runner, self.fingerprint, cache, eos_token_ids, self.grammars)
 
     def make_decode_loop(self, eos_token_ids: frozenset[int]) -> DecodeLoop:
         decoder = Decoder(
@@ -104,6 +108,7 @@ class EngineCore:
             eos_token_ids=eos_token_ids,
             max_batch_size=self.config.max_batch_size,
             max_kv_tokens=self.config.max_kv_tokens,
+            grammars=self.grammars,
         )
         return DecodeLoop(decoder, max_waiting=self.config.max_waiting,
                           fingerprint=self.fingerprint, executor=self.thread)

@@ -59,8 +59,9 @@ from app.kv_package import KVPackage
 from app.messages import PrefillRequest
 from app.model_runner import ModelRunner
 from app.prefix_cache import PrefixCache
-from app.sampling import TokenLogprobs, sample_tokens, token_logprobs
+from app.sampling import SamplingParams, TokenLogprobs, sample_tokens, token_logprobs
 from app.sequence import validate_prompt
+from app.structured import GrammarMatcher, Grammars
 
 # Padding may add at most this fraction of a pass's real tokens.
 MAX_PADDING = 0.25
@@ -141,8 +142,10 @@ class Prefiller:
 
     def __init__(self, runner: ModelRunner, fingerprint: str,
                  prefix_cache: PrefixCache | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 grammars: Grammars | None = None) -> None:
         self.runner = runner
+        self.grammars = grammars  # constrained first tokens (app.structured)
         self.fingerprint = fingerprint
         self.prefix_cache = prefix_cache
         self.eos_token_ids = eos_token_ids  # masked from a first token under min_tokens
@@ -335,6 +338,7 @@ class Prefiller:
                 history=[list(rows[i].req.prompt_token_ids) for i, _ in draws],
                 outputs=[list(rows[i].req.delivered_token_ids) for i, _ in draws],
                 eos_token_ids=self.eos_token_ids,
+                matchers=self._matchers(params, [rows[i].req for i, _ in draws]),
             )
             for (i, _), token, lp in zip(draws, tokens, token_logprobs(last, params, tokens),
                                          strict=True):
@@ -346,6 +350,17 @@ class Prefiller:
         for i in finished:
             out[i] = self._package(rows[i], firsts[i])
         return out
+
+    def _matchers(self, params: list[SamplingParams], reqs: list[PrefillRequest]
+                  ) -> list[GrammarMatcher | None] | None:
+        """Each constrained draw's matcher, past the tokens its stream already delivered
+        (a resume); None when no draw has a constraint."""
+        if all(p.constraint is None for p in params):
+            return None
+        assert self.grammars is not None, "a constrained request needs the engine's grammars"
+        return [None if p.constraint is None else
+                self.grammars.matcher(p.constraint, r.delivered_token_ids, self.eos_token_ids)
+                for p, r in zip(params, reqs, strict=True)]
 
     def _package(self, job: PrefillJob,
                  firsts: list[tuple[int, TokenLogprobs | None]]) -> KVPackage:

@@ -28,6 +28,7 @@ from pydantic import (
 from app.errors import InvalidRequestError
 from app.messages import FinishReason
 from app.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from app.structured_fields import StructuredFields
 
 MAX_STOP = 16
 MAX_N = 8  # answers per request (n): one prefill, n decode streams
@@ -81,7 +82,12 @@ FIELD_POLICY: dict[str, str] = {
     "tool_choice": _neutral('null, "none", or "auto" without tools'),
     "functions": _neutral("null or []"),
     "function_call": _neutral('null or "none"'),
-    "response_format": _neutral('null or {"type": "text"}'),
+    "response_format": SUPPORTED,
+    "structured_outputs": SUPPORTED,
+    "guided_json": SUPPORTED,
+    "guided_regex": SUPPORTED,
+    "guided_choice": SUPPORTED,
+    "guided_grammar": SUPPORTED,
     "store": _neutral("false or null"),
     "parallel_tool_calls": IGNORED,
     "metadata": IGNORED,
@@ -122,7 +128,7 @@ def _only(field: str, ok: bool, neutral: str) -> None:
                          "value would change the output)")
 
 
-class _ToolFields(_Lenient):
+class _ToolFields(StructuredFields, _Lenient):
     """OpenAI options this server cannot honour, accepted at the values that change nothing."""
 
     tools: list[dict[str, Any]] | None = Field(None, description="Only null or [] (no tools).")
@@ -130,8 +136,6 @@ class _ToolFields(_Lenient):
         None, description='Only null, "none", or "auto" without tools.')
     functions: list[dict[str, Any]] | None = Field(None, description="Only null or [].")
     function_call: str | dict[str, Any] | None = Field(None, description='Only null or "none".')
-    response_format: dict[str, Any] | None = Field(
-        None, description='Only null or {"type": "text"}.')
     store: bool | None = Field(None, description="Only false or null (nothing is stored).")
     parallel_tool_calls: bool | None = Field(None, description="Ignored (no tools).")
     metadata: dict[str, Any] | None = Field(None, description="Ignored.")
@@ -154,12 +158,6 @@ class _ToolFields(_Lenient):
     @classmethod
     def _no_function_call(cls, v: Any) -> Any:
         _only("function_call", v in (None, "none"), 'null or "none"')
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v: dict[str, Any] | None) -> Any:
-        _only("response_format", v is None or v.get("type") == "text", '{"type": "text"}')
         return v
 
     @field_validator("store")
@@ -286,6 +284,7 @@ class _SamplingFields(_Neutral):
             logit_bias=tuple(sorted({int(t): b for t, b in (self.logit_bias or {}).items()}
                                     .items())),
             logprobs=self.top_logprobs_wanted(),
+            constraint=self.constraint(),
         )
 
 

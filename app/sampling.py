@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from app.errors import InvalidRequestError
+from app.structured import Constraint, GrammarMatcher
 
 _MAX_STOP_STRINGS = 16
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily
@@ -58,6 +59,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k
+    constraint: Constraint | None = None  # structured output (app.structured)
 
     def __post_init__(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:
@@ -116,7 +118,7 @@ class SamplingParams:
     def plain(self) -> bool:
         """No logits processing before the draw (nothing but temperature and top-k/p/min-p)."""
         return (self.repetition_penalty == 1.0 and not self.counts_output
-                and not self.logit_bias and self.min_tokens == 0)
+                and not self.logit_bias and self.min_tokens == 0 and self.constraint is None)
 
     def with_seed(self) -> SamplingParams:
         """This request with a concrete seed (random when none was given)."""
@@ -168,6 +170,7 @@ def sample_tokens(
     history: list[list[int]] | None = None,
     outputs: list[list[int]] | None = None,
     eos_token_ids: frozenset[int] = frozenset(),
+    matchers: list[GrammarMatcher | None] | None = None,
 ) -> list[int]:
     """Pick one token per row.
 
@@ -176,7 +179,9 @@ def sample_tokens(
     seen so far by row i (prompt + output), used only for the repetition penalty;
     ``outputs[i]`` the output tokens so far (every earlier output index), used only for the
     frequency and presence penalties. ``eos_token_ids`` are masked with the stop tokens
-    while a row is under its ``min_tokens``.
+    while a row is under its ``min_tokens``. ``matchers[i]`` (rows with a constraint): the
+    tokens its grammar does not allow are masked after the penalties, and it consumes the
+    token drawn.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(steps)
     logits = logits.float()
@@ -195,10 +200,12 @@ def sample_tokens(
         if not p.plain:
             row = process_logits(row, p, steps[i], history[i] if history else None,
                                  outputs[i] if outputs else None, eos_token_ids)
-        if p.greedy:
-            out[i] = int(row.argmax())
-            continue
-        out[i] = _sample_row(row, p, steps[i])
+        matcher = matchers[i] if matchers else None
+        if matcher is not None:
+            row = matcher.mask(row)
+        out[i] = int(row.argmax()) if p.greedy else _sample_row(row, p, steps[i])
+        if matcher is not None:
+            matcher.accept(out[i])
     return out
 
 

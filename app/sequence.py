@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.errors import ContextLengthError, InvalidRequestError
 from app.messages import FinishReason
@@ -66,6 +67,7 @@ class Sequence:
     enqueued_at: float | None = None
     joined_at: float | None = None
     last_logprobs: TokenLogprobs | None = None  # of the last token, when asked for
+    matcher: Any = None  # a constrained answer's GrammarMatcher, from when it runs
 
     @property
     def next_step(self) -> int:
