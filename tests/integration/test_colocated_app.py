@@ -228,3 +228,44 @@ def test_loadgen_smoke_against_live_apps(colocated_url, split_app, tmp_path):
         phases = run["summary"]["breakdown"]["fixed"]["phases_ms"]
         assert phases["prefill_compute_s"]["count"] == 3
     assert (out / "goodput_vs_rate.png").exists() and (out / "latency_cdf_rate8.png").exists()
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def test_structured_outputs_split_equals_colocated_equals_local(colocated_url, split_app,
+                                                                smollm_model, smollm_tokenizer):
+    """A JSON schema through the OpenAI SDK's response_format (chat, streamed and not) and
+    vLLM's guided_choice (completions): the split app (first token masked on the prefill
+    replica, the rest on the decode replica) answers token for token as the colocated app
+    and the in-process engine do, and the answers match their constraints."""
+    from app.structured import Constraint
+
+    ask = [{"role": "user", "content": "A person as JSON, please."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                  "strict": True}}
+    [ref_json, ref_choice] = cluster.local_greedy(smollm_model, smollm_tokenizer, [
+        (SamplingParams(max_tokens=60, temperature=0.0,
+                        constraint=Constraint.json_schema(PERSON, "response_format")),
+         {"messages": ask}),
+        (SamplingParams(max_tokens=8, temperature=0.0,
+                        constraint=Constraint.choice(["Paris", "Rome", "Oslo"], "guided_choice")),
+         {"prompt": "The capital of France is"})])
+    person = json.loads(ref_json.text)
+    assert set(person) == {"name", "age"} and ref_choice.text in ("Paris", "Rome", "Oslo")
+    for base in (split_app.url, colocated_url):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="smollm2-135m-instruct", messages=ask,
+                                           max_tokens=60, temperature=0, response_format=fmt)
+        assert r.choices[0].message.content == ref_json.text
+        assert r.choices[0].finish_reason == "stop"
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=ask, max_tokens=60, temperature=0,
+            response_format=fmt, stream=True) if c.choices)
+        assert text == ref_json.text
+        body = {"model": "smollm2-135m-instruct", "prompt": "The capital of France is",
+                "max_tokens": 8, "temperature": 0, "guided_choice": ["Paris", "Rome", "Oslo"]}
+        got = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()
+        assert got["choices"][0]["text"] == ref_choice.text
