@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from app.errors import InvalidRequestError
+from app.tools import template_messages
 
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 
@@ -29,7 +30,7 @@ def _content_text(content: Any, index: int) -> str:
     )
 
 
-def normalize_messages(messages: Seq[dict[str, Any]]) -> list[dict[str, str]]:
+def normalize_messages(messages: Seq[dict[str, Any]]) -> list[dict[str, Any]]:
     if not messages:
         raise InvalidRequestError("messages must contain at least one message", param="messages")
     out = []
@@ -41,9 +42,15 @@ def normalize_messages(messages: Seq[dict[str, Any]]) -> list[dict[str, str]]:
                 param=f"messages[{i}].role",
             )
         # "developer" is OpenAI's newer name for "system"
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _content_text(msg.get("content", ""), i)})
-    return out
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                 "content": _content_text(msg.get("content") or "", i)}
+        for key in ("tool_calls", "tool_call_id"):  # tool calls and their results
+            if msg.get(key):
+                entry[key] = msg[key]
+        if role == "tool" and msg.get("name"):
+            entry["name"] = msg["name"]
+        out.append(entry)
+    return template_messages(out)
 
 
 class PromptBuilder:
@@ -53,20 +60,21 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
 
-    def chat_text(self, messages: Seq[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def chat_text(self, messages: Seq[dict[str, Any]], add_generation_prompt: bool = True,
+                  tools: list[dict[str, Any]] | None = None) -> str:
         msgs = normalize_messages(messages)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions with a prompt",
                 param="messages",
             )
-        return self.tokenizer.apply_chat_template(msgs, tokenize=False,
+        return self.tokenizer.apply_chat_template(msgs, tokenize=False, tools=tools,
                                                   add_generation_prompt=add_generation_prompt)
 
-    def encode_chat(self, messages: Seq[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Seq[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         # the template already holds the special tokens
-        text = self.chat_text(messages, add_generation_prompt)
+        text = self.chat_text(messages, add_generation_prompt, tools)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

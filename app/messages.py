@@ -36,6 +36,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the model context
     CANCELLED = "cancelled"  # the client went away or the caller cancelled
     ERROR = "error"  # the engine failed this sequence
+    TOOL_CALLS = "tool_calls"  # an answer that is a forced tool call (app.tools), to clients
 
     def __str__(self) -> str:
         return self.value

@@ -28,7 +28,9 @@ from pydantic import (
 from app.errors import InvalidRequestError
 from app.messages import FinishReason
 from app.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from app.structured import Constraint
 from app.structured_fields import StructuredFields
+from app.tools import ToolMode, check_tools
 
 MAX_STOP = 16
 MAX_N = 8  # answers per request (n): one prefill, n decode streams
@@ -51,7 +53,8 @@ FIELD_POLICY: dict[str, str] = {
     "messages.role": SUPPORTED,
     "messages.content": SUPPORTED,
     "messages.name": SUPPORTED,
-    "messages.tool_calls": _neutral("null or []"),
+    "messages.tool_calls": SUPPORTED,
+    "messages.tool_call_id": SUPPORTED,
     "prompt": SUPPORTED,
     "max_tokens": SUPPORTED,
     "max_completion_tokens": SUPPORTED,
@@ -78,8 +81,8 @@ FIELD_POLICY: dict[str, str] = {
     "best_of": _neutral("1 or null"),
     "echo": _neutral("false"),
     "suffix": _neutral("null"),
-    "tools": _neutral("null or []"),
-    "tool_choice": _neutral('null, "none", or "auto" without tools'),
+    "tools": SUPPORTED,
+    "tool_choice": SUPPORTED,
     "functions": _neutral("null or []"),
     "function_call": _neutral('null or "none"'),
     "response_format": SUPPORTED,
@@ -131,9 +134,12 @@ def _only(field: str, ok: bool, neutral: str) -> None:
 class _ToolFields(StructuredFields, _Lenient):
     """OpenAI options this server cannot honour, accepted at the values that change nothing."""
 
-    tools: list[dict[str, Any]] | None = Field(None, description="Only null or [] (no tools).")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description='Functions the model may call (chat): {"type": "function", '
+        '"function": {"name", "description", "parameters"}}.')
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description='Only null, "none", or "auto" without tools.')
+        None, description='"none", "required" or {"type": "function", "function": {"name": '
+        '...}}; "auto" (the default with tools) needs a tool-call parser: a 400 here.')
     functions: list[dict[str, Any]] | None = Field(None, description="Only null or [].")
     function_call: str | dict[str, Any] | None = Field(None, description='Only null or "none".')
     store: bool | None = Field(None, description="Only false or null (nothing is stored).")
@@ -141,18 +147,23 @@ class _ToolFields(StructuredFields, _Lenient):
     metadata: dict[str, Any] | None = Field(None, description="Ignored.")
     service_tier: str | None = Field(None, description="A hint; ignored.")
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, v: list[dict[str, Any]] | None, info: ValidationInfo) -> Any:
-        _only(str(info.field_name), not v, "null or [] (no tools)")
+    def _no_functions(cls, v: list[dict[str, Any]] | None, info: ValidationInfo) -> Any:
+        _only(str(info.field_name), not v, "null or [] (use tools)")
         return v
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v: Any, info: ValidationInfo) -> Any:
-        _only("tool_choice", v in (None, "none") or (v == "auto" and not info.data.get("tools")),
-              'null, "none", or "auto" without tools')
-        return v
+    def tool_mode(self) -> ToolMode | None:
+        """The call the answer must be (``app.tools``), or None for a text answer."""
+        return ToolMode.of(self.tools, self.tool_choice)
+
+    def output_constraint(self) -> Constraint | None:
+        """What the answer must match: a forced tool call's JSON or a structured output."""
+        tool, structured = self.tool_mode(), self.constraint()
+        if tool is not None and structured is not None:
+            raise InvalidRequestError(f"{structured.param}: not with a forced tool call "
+                                      "(tool_choice)", param=structured.param)
+        return tool.constraint() if tool is not None else structured
 
     @field_validator("function_call")
     @classmethod
@@ -284,7 +295,7 @@ class _SamplingFields(_Neutral):
             logit_bias=tuple(sorted({int(t): b for t, b in (self.logit_bias or {}).items()}
                                     .items())),
             logprobs=self.top_logprobs_wanted(),
-            constraint=self.constraint(),
+            constraint=self.output_constraint(),
         )
 
 
@@ -294,16 +305,23 @@ class TextPart(_Lenient):
 
 
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(
         None, description="Required but on an assistant message.")
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = Field(None, description="Only null or [].")
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="An assistant's calls: {id, type: function, function: {name, "
+        "arguments}}.")
+    tool_call_id: str | None = Field(None, description="A tool result's call id.")
 
     @field_validator("tool_calls")
     @classmethod
-    def _no_tool_calls(cls, v: list[dict[str, Any]] | None) -> Any:
-        _only("tool_calls", not v, "null or [] (no tools)")
+    def _check_tool_calls(cls, v: list[dict[str, Any]] | None) -> Any:
+        for call in v or []:
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError('each must be {"id", "type": "function", "function": '
+                                 '{"name", "arguments"}}')
         return v
 
     @model_validator(mode="after")
@@ -340,6 +358,13 @@ class ChatCompletionRequest(_SamplingFields):
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template is given (none when tool_choice is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        check_tools(self.tools)
+        return self.tools
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
@@ -357,6 +382,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("echo: not supported by this server")
         if self.suffix is not None:
             raise ValueError("suffix: not supported by this server")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools: chat only (/v1/chat/completions)")
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
@@ -456,7 +483,8 @@ class CompletionLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

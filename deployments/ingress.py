@@ -186,7 +186,7 @@ class Ingress:
             self.admission.admit()
         self.check_model(req.model)
         if isinstance(req, ChatCompletionRequest):
-            ids = self.prompts.encode_chat(req.message_dicts())
+            ids = self.prompts.encode_chat(req.message_dicts(), tools=req.template_tools())
             default_max = self.args.default_max_tokens
         else:
             ids = self.prompts.encode_prompt(req.prompt)
@@ -319,7 +319,8 @@ class Ingress:
                                preq.num_tokens, sum(n for _, n, _, _ in results),
                                [lps for *_, lps in results]
                                if preq.sampling.logprobs is not None else None,
-                               cached_tokens=trace.cached_tokens or 0)
+                               cached_tokens=trace.cached_tokens or 0,
+                               tool_mode=req.tool_mode() if endpoint is Endpoint.CHAT else None)
 
     async def indexed_deltas(self, endpoint: Endpoint, preq: PrefillRequest,
                              trace: RequestTrace) -> AsyncIterator[tuple[int, StreamDelta]]:
@@ -343,7 +344,8 @@ class Ingress:
         trace = RequestTrace()
         return stream_chunks(endpoint, preq.request_id, self.model_name, preq.num_tokens,
                              self.indexed_deltas(endpoint, preq, trace), include_usage,
-                             cached_tokens=lambda: trace.cached_tokens or 0)
+                             cached_tokens=lambda: trace.cached_tokens or 0,
+                             tool_mode=req.tool_mode() if endpoint is Endpoint.CHAT else None)
 
     async def answer(self, endpoint: Endpoint, req: GenerationRequest,
                      http: Request) -> Response:

@@ -299,7 +299,12 @@ def test_unknown_field_names_are_reported_escaped_and_bounded(client, caplog):
 
 
 REFUSED = [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # tools without tool_choice: "auto", which needs a tool-call parser (none configured)
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function"}], "tool_choice": "auto"}, "tools"),
     ({"response_format": {"type": "xml"}}, "response_format"),
