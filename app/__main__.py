@@ -1,4 +1,5 @@
-"""Command line: ``python -m app generate --prompt "..." [--chat] [--json]``."""
+"""Command line: ``python -m app generate --prompt "..." [--chat] [--json]`` (structured
+output: ``--json-schema FILE``, ``--json-object``, ``--regex``, ``--choice``, ``--grammar``)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 from app.config import DEFAULT_MODEL, EngineConfig
 from app.errors import EngineError
 from app.sampling import SamplingParams
+from app.structured import Constraint
+from app.structured_fields import StructuredFields
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +40,35 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    shape = gen.add_mutually_exclusive_group()  # structured output (app.structured)
+    shape.add_argument("--json-schema", metavar="FILE", type=Path,
+                       help="the output is JSON of this schema (a file)")
+    shape.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    shape.add_argument("--regex", help="the output matches this regular expression")
+    shape.add_argument("--choice", action="append", help="the output is one of these "
+                       "(repeatable)")
+    shape.add_argument("--grammar", metavar="FILE", type=Path,
+                       help="the output follows this Lark or GBNF grammar (a file)")
     return parser
+
+
+def _constraint(args: argparse.Namespace) -> Constraint | None:
+    """The structured output the arguments ask for, compiled (a bad one: ValueError)."""
+    fields: dict[str, Any] = {}
+    try:
+        if args.json_schema is not None:
+            fields["guided_json"] = args.json_schema.read_text()
+        elif args.grammar is not None:
+            fields["guided_grammar"] = args.grammar.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read {exc.filename}: {exc.strerror}") from exc
+    if args.json_object:
+        fields["response_format"] = {"type": "json_object"}
+    if args.regex is not None:
+        fields["guided_regex"] = args.regex
+    if args.choice:
+        fields["guided_choice"] = args.choice
+    return StructuredFields(**fields).constraint()
 
 
 def _settings(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
@@ -45,6 +78,7 @@ def _settings(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        constraint=_constraint(args),
     )
     return config, sampling
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,17 +99,27 @@ class Grammars:
         self._load = load_tokenizer
         self._tokenizer: Any = None
         self._ll: dict[int | None, Any] = {}
+        self._lock = threading.Lock()
+
+    def warm(self, eos_token_ids: frozenset[int]) -> threading.Thread:
+        """Convert the tokenizer now, on a thread of its own (a replica starting), so the
+        first constrained answer does not hold the engine's thread for it."""
+        thread = threading.Thread(target=self._ll_tokenizer, args=(eos_token_ids,),
+                                  name="grammars-warm", daemon=True)
+        thread.start()
+        return thread
 
     def _ll_tokenizer(self, eos_token_ids: frozenset[int]) -> Any:
-        if self._tokenizer is None:
-            self._tokenizer = self._load()
-        own = getattr(self._tokenizer, "eos_token_id", None)
-        eos = own if own in eos_token_ids or not eos_token_ids else min(eos_token_ids)
-        if eos not in self._ll:
-            import llguidance.hf
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._load()
+            own = getattr(self._tokenizer, "eos_token_id", None)
+            eos = own if own in eos_token_ids or not eos_token_ids else min(eos_token_ids)
+            if eos not in self._ll:
+                import llguidance.hf
 
-            self._ll[eos] = llguidance.hf.from_tokenizer(self._tokenizer, eos_token=eos)
-        return self._ll[eos]
+                self._ll[eos] = llguidance.hf.from_tokenizer(self._tokenizer, eos_token=eos)
+            return self._ll[eos]
 
     def matcher(self, constraint: Constraint, tokens: list[int] | tuple[int, ...] = (),
                 eos_token_ids: frozenset[int] = frozenset()) -> GrammarMatcher:

@@ -40,6 +40,7 @@ class PrefillServer:
                                      eos_token_ids=model_eos_token_ids(self.core),
                                      lanes=self.core.config.prefill_lanes)
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.core.grammars.warm(model_eos_token_ids(self.core))  # structured outputs
         KernelMetrics(self.args.model_name).record(self.core.runner.kernel_paths())
 
     async def make_kv_package(self, req: PrefillRequest) -> KVPackage:

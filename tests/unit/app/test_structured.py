@@ -139,3 +139,35 @@ def test_a_bad_constraint_is_a_400_naming_the_field():
     with pytest.raises(InvalidRequestError, match="guided_grammar: not a valid grammar") as e:
         StructuredFields(guided_grammar="start: (").constraint()
     assert e.value.param == "guided_grammar"
+
+
+def test_the_cli_takes_the_same_constraints(tmp_path, capsys):
+    from app.__main__ import main
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMA))
+    assert main(["generate", "--chat", "--prompt", "A person, as JSON.", "--json-schema",
+                 str(schema), "--max-tokens", "120", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(json.loads(result["text"])) == {"name", "age", "ok"}
+    assert main(["generate", "--prompt", "Yes or no?", "--choice", "yes", "--choice", "no",
+                 "--temperature", "1", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] in ("yes", "no")
+    assert main(["generate", "--prompt", "x", "--regex", "("]) == 2
+    assert "guided_regex: not a valid regex" in capsys.readouterr().err
+
+
+def test_warming_converts_the_tokenizer_once_off_the_engine_thread():
+    from app.structured import Grammars
+
+    loads = []
+
+    def load():
+        from app.model_loader import load_tokenizer
+        loads.append(1)
+        return load_tokenizer(EngineConfig())
+    grammars = Grammars(load)
+    grammars.warm(frozenset({2})).join(timeout=120)
+    assert loads == [1] and grammars._ll  # converted before any request
+    matcher = grammars.matcher(Constraint.choice(["a"], "x"), (), frozenset({2}))
+    assert loads == [1] and not matcher.stopped
