@@ -92,7 +92,7 @@ FIELD_POLICY: dict[str, str] = {
     "guided_choice": SUPPORTED,
     "guided_grammar": SUPPORTED,
     "store": _neutral("false or null"),
-    "parallel_tool_calls": IGNORED,
+    "parallel_tool_calls": SUPPORTED,
     "metadata": IGNORED,
     "user": IGNORED,
     "service_tier": IGNORED,
@@ -143,7 +143,8 @@ class _ToolFields(StructuredFields, _Lenient):
     functions: list[dict[str, Any]] | None = Field(None, description="Only null or [].")
     function_call: str | dict[str, Any] | None = Field(None, description='Only null or "none".')
     store: bool | None = Field(None, description="Only false or null (nothing is stored).")
-    parallel_tool_calls: bool | None = Field(None, description="Ignored (no tools).")
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: tool_choice required makes exactly one call.")
     metadata: dict[str, Any] | None = Field(None, description="Ignored.")
     service_tier: str | None = Field(None, description="A hint; ignored.")
 
@@ -155,7 +156,7 @@ class _ToolFields(StructuredFields, _Lenient):
 
     def tool_mode(self) -> ToolMode | None:
         """The call the answer must be (``app.tools``), or None for a text answer."""
-        return ToolMode.of(self.tools, self.tool_choice)
+        return ToolMode.of(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
 
     def output_constraint(self) -> Constraint | None:
         """What the answer must match: a forced tool call's JSON or a structured output."""

@@ -58,9 +58,11 @@ class ToolMode:
 
     schemas: tuple[tuple[str, str], ...]  # (name, parameters schema as JSON text)
     name: str | None = None
+    parallel: bool = True  # required: more than one call allowed (parallel_tool_calls)
 
     @classmethod
-    def of(cls, tools: list[dict[str, Any]] | None, choice: Any) -> ToolMode | None:
+    def of(cls, tools: list[dict[str, Any]] | None, choice: Any,
+           parallel: bool = True) -> ToolMode | None:
         """The mode ``tools`` and ``tool_choice`` ask for; None when the answer is text."""
         if choice == "none" or (not tools and choice in (None, "auto")):
             return None  # a text answer
@@ -73,7 +75,7 @@ class ToolMode:
                        'is configured: use "required" or a named function '
                        '({"type": "function", "function": {"name": ...}})')
         if choice == "required":
-            return cls(schemas)
+            return cls(schemas, parallel=parallel)
         name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
         if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
             raise _bad("tool_choice", 'must be "none", "auto", "required" or {"type": '
@@ -83,16 +85,21 @@ class ToolMode:
         return cls(schemas, name)
 
     def constraint(self) -> Constraint:
-        """What the answer must be: the named function's arguments, or the array of calls."""
+        """What the answer must be: the named function's arguments, or the array of calls,
+        in compact JSON (whitespace between tokens is not the model's to choose: a small
+        model left free to indent can spend its tokens on it)."""
         schemas = {n: json.loads(s) for n, s in self.schemas}
+        compact = {"x-guidance": {"whitespace_flexible": False}}
         if self.name is not None:
-            return Constraint.json_schema(schemas[self.name], "tool_choice")
+            return Constraint.json_schema({**schemas[self.name], **compact}, "tool_choice")
         call = [{"type": "object", "additionalProperties": False,
                  "required": ["name", "parameters"],
                  "properties": {"name": {"const": n}, "parameters": s}}
                 for n, s in schemas.items()]
-        return Constraint.json_schema({"type": "array", "minItems": 1,
-                                       "items": {"anyOf": call}}, "tool_choice")
+        calls = {"type": "array", "minItems": 1, "items": {"anyOf": call}, **compact}
+        if not self.parallel:
+            calls["maxItems"] = 1
+        return Constraint.json_schema(calls, "tool_choice")
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The answer as OpenAI's ``tool_calls``, or None when it is not a whole call (cut

@@ -269,3 +269,93 @@ def test_structured_outputs_split_equals_colocated_equals_local(colocated_url, s
                 "max_tokens": 8, "temperature": 0, "guided_choice": ["Paris", "Rome", "Oslo"]}
         got = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()
         assert got["choices"][0]["text"] == ref_choice.text
+
+
+ORDER = {"type": "object", "additionalProperties": False,
+         "required": ["customer", "items", "priority"],
+         "properties": {
+             "customer": {"type": "object", "additionalProperties": False,
+                          "required": ["name", "vip"],
+                          "properties": {"name": {"type": "string", "maxLength": 12},
+                                         "vip": {"type": "boolean"}}},
+             "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+                 "type": "object", "additionalProperties": False, "required": ["sku", "qty"],
+                 "properties": {"sku": {"enum": ["A1", "B2", "C3"]},
+                                "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+             "priority": {"enum": ["low", "high"]}}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 12},
+                       "unit": {"enum": ["C", "F"]}}}}}
+
+
+def test_twenty_sampled_constrained_answers_validate_on_both_apps(colocated_url, split_app):
+    """A nested schema (objects, an array, enums, required fields), a choice and a regex,
+    20 seeded answers each at temperature 1, sent together, through both apps: every answer
+    validates (jsonschema) or matches."""
+    import re
+
+    import jsonschema
+
+    ask = [{"role": "user", "content": "An order as JSON."}]
+
+    async def run(base):
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        common = dict(model="smollm2-135m-instruct", messages=ask, temperature=1.0)
+        jobs = [client.chat.completions.create(
+            **common, seed=s, max_tokens=160, response_format={
+                "type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}})
+            for s in range(20)]
+        jobs += [client.chat.completions.create(
+            **common, seed=s, max_tokens=8, extra_body={"guided_choice": ["yes", "no"]})
+            for s in range(20)]
+        jobs += [client.chat.completions.create(
+            **common, seed=s, max_tokens=12, extra_body={"guided_regex": r"[A-Z]{2}-[0-9]{3}"})
+            for s in range(20)]
+        return await asyncio.gather(*jobs)
+
+    for base in (split_app.url, colocated_url):
+        answers = asyncio.run(run(base))
+        for r in answers[:20]:
+            assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+            jsonschema.validate(json.loads(r.choices[0].message.content), ORDER)
+        assert {r.choices[0].message.content for r in answers[20:40]} <= {"yes", "no"}
+        for r in answers[40:]:
+            assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", r.choices[0].message.content)
+
+
+def test_tool_calls_and_the_follow_up_turn_and_the_sdk_s_parse(split_app):
+    """tool_choice required and named give tool_calls whose arguments validate; the turn
+    that carries the call and its result is answered; the SDK's parse() returns an object."""
+    import jsonschema
+    import pydantic
+
+    client = openai.OpenAI(base_url=f"{split_app.url}/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    params = WEATHER_TOOL["function"]["parameters"]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model="smollm2-135m-instruct", messages=ask,
+                                           tools=[WEATHER_TOOL], tool_choice=choice,
+                                           parallel_tool_calls=False, max_tokens=60,
+                                           temperature=0)
+        assert r.choices[0].finish_reason == "tool_calls"
+        [call] = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), params)
+    follow = client.chat.completions.create(
+        model="smollm2-135m-instruct", max_tokens=16, temperature=0, tools=[WEATHER_TOOL],
+        tool_choice="none", messages=[*ask, r.choices[0].message.model_dump(exclude_none=True),
+                                      {"role": "tool", "tool_call_id": call.id,
+                                       "content": "4C and snowing"}])
+    assert follow.choices[0].message.content
+
+    class City(pydantic.BaseModel):
+        name: str
+        population: int
+
+    parsed = client.beta.chat.completions.parse(
+        model="smollm2-135m-instruct", max_tokens=80, temperature=0, response_format=City,
+        messages=[{"role": "user", "content": "A city, as JSON."}])
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City) and isinstance(city.population, int)

@@ -113,6 +113,10 @@ def test_required_asks_for_calls_of_the_given_tools_only():
     assert schema["minItems"] == 1
     names = [alt["properties"]["name"]["const"] for alt in schema["items"]["anyOf"]]
     assert names == ["get_weather", "get_time"]
+    assert "maxItems" not in schema and schema["x-guidance"] == {"whitespace_flexible": False}
+    one = json.loads(_request(tool_choice="required", parallel_tool_calls=False)
+                     .tool_mode().constraint().spec)
+    assert one["maxItems"] == 1  # parallel_tool_calls: false, exactly one call
     assert mode.calls("not json") is None
     with pytest.raises(InvalidRequestError, match="two tools are named"):
         ToolMode.of([WEATHER, WEATHER], "required")
