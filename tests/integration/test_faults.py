@@ -80,10 +80,12 @@ def reference_text(engine: LocalEngine, prompt: str, max_tokens: int) -> str:
     return asyncio.run(engine.generate(req)).text
 
 
-def stream_text(url: str, prompt: str, max_tokens: int, on_chunk=None) -> tuple[str, list]:
-    """Stream a completion; returns the text and any error events."""
+def stream_text(url: str, prompt: str, max_tokens: int, on_chunk=None,
+                **fields) -> tuple[str, list]:
+    """Stream a completion (greedy, past EOS, unless ``fields`` say otherwise); returns the
+    text and any error events."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, **fields}
     text, errors, n = "", [], 0
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH,
                       timeout=120) as r:
@@ -393,6 +395,37 @@ def test_decode_replica_dies_mid_stream_and_the_stream_resumes(url, engine):
     text, errors = stream_text(url, prompt, 40, on_chunk)
     assert killed and not errors
     assert text == expected  # no missing, no duplicated token
+
+
+def test_a_constrained_stream_resumes_valid_and_token_exact(url, engine):
+    """Killed mid-answer, a sampled JSON-schema answer resumes on the other decode replica
+    with its matcher rebuilt past the tokens already sent: the same text, and valid."""
+    import jsonschema
+
+    from app.structured import Constraint
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["story"],
+              "x-guidance": {"whitespace_flexible": False},  # within the fault app's context
+              "properties": {"story": {"type": "array", "minItems": 4, "maxItems": 4,
+                                       "items": {"type": "string", "maxLength": 10}}}}
+    prompt = "Four short lines of a story, as JSON:"
+    sp = SamplingParams(max_tokens=80, temperature=1.0, seed=9,
+                        constraint=Constraint.json_schema(schema, "guided_json"))
+    expected = asyncio.run(engine.generate(engine.make_request(sp, prompt=prompt))).text
+    killed: list[str] = []
+
+    def on_chunk(n: int) -> None:
+        if n == 8 and not killed:
+            rid = busy_decode_replica()
+            [actor] = [a for a in replicas("DecodeServer") if rid in a.name]
+            kill(actor)
+            killed.append(rid)
+
+    text, errors = stream_text(url, prompt, 80, on_chunk, temperature=1.0, seed=9,
+                               ignore_eos=False, guided_json=schema)
+    assert killed and not errors
+    assert text == expected
+    jsonschema.validate(json.loads(text), schema)
 
 
 def test_a_whole_phase_lost_under_a_cpu_hog_loses_no_request(url, engine):
