@@ -154,17 +154,19 @@ class _ToolFields(StructuredFields, _Lenient):
         _only(str(info.field_name), not v, "null or [] (use tools)")
         return v
 
-    def tool_mode(self) -> ToolMode | None:
-        """The call the answer must be (``app.tools``), or None for a text answer."""
-        return ToolMode.of(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+    def tool_mode(self, parser: str | None = None) -> ToolMode | None:
+        """The call the answer must or may be (``app.tools``; ``parser``: the configured
+        tool-call parser, for ``auto``), or None for a text answer."""
+        return ToolMode.of(self.tools, self.tool_choice, self.parallel_tool_calls is not False,
+                           parser)
 
-    def output_constraint(self) -> Constraint | None:
+    def output_constraint(self, parser: str | None = None) -> Constraint | None:
         """What the answer must match: a forced tool call's JSON or a structured output."""
-        tool, structured = self.tool_mode(), self.constraint()
+        tool, structured = self.tool_mode(parser), self.constraint()
         if tool is not None and structured is not None:
             raise InvalidRequestError(f"{structured.param}: not with a forced tool call "
                                       "(tool_choice)", param=structured.param)
-        return tool.constraint() if tool is not None else structured
+        return structured if tool is None else tool.constraint()
 
     @field_validator("function_call")
     @classmethod
@@ -272,7 +274,8 @@ class _SamplingFields(_Neutral):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int,
+                        tool_parser: str | None = None) -> SamplingParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         min_tokens = self.min_tokens or 0
         if min_tokens > max_tokens:
@@ -296,7 +299,7 @@ class _SamplingFields(_Neutral):
             logit_bias=tuple(sorted({int(t): b for t, b in (self.logit_bias or {}).items()}
                                     .items())),
             logprobs=self.top_logprobs_wanted(),
-            constraint=self.output_constraint(),
+            constraint=self.output_constraint(tool_parser),
         )
 
 

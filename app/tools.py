@@ -11,13 +11,16 @@ constrained (app.structured) to the call's JSON, and the server turns that JSON 
 
 The tools reach the model through its chat template (``tools=``), with the conversation's
 assistant ``tool_calls`` and ``role: "tool"`` results. ``tool_choice: "auto"`` would need the
-model's own tool-call format and a parser for it; there is none configured, so ``auto`` with
-tools is a 400 that says to use ``required`` or a named function. ``none`` ignores the tools.
+model's own tool-call format and a parser for it, named by ``ingress.tool_call_parser``
+(``hermes``: ``<tool_call>{...}</tool_call>`` blocks, the format of Qwen2.5 and Hermes
+models); without one, ``auto`` with tools is a 400 that says to use ``required`` or a named
+function. ``none`` ignores the tools.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -59,11 +62,13 @@ class ToolMode:
     schemas: tuple[tuple[str, str], ...]  # (name, parameters schema as JSON text)
     name: str | None = None
     parallel: bool = True  # required: more than one call allowed (parallel_tool_calls)
+    parser: str | None = None  # auto: the model's own format, read by this parser
 
     @classmethod
-    def of(cls, tools: list[dict[str, Any]] | None, choice: Any,
-           parallel: bool = True) -> ToolMode | None:
-        """The mode ``tools`` and ``tool_choice`` ask for; None when the answer is text."""
+    def of(cls, tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True,
+           parser: str | None = None) -> ToolMode | None:
+        """The mode ``tools`` and ``tool_choice`` ask for (``parser``: the configured
+        tool-call parser, for ``auto``); None when the answer is text."""
         if choice == "none" or (not tools and choice in (None, "auto")):
             return None  # a text answer
         if not tools:
@@ -71,9 +76,11 @@ class ToolMode:
         by_name = check_tools(tools)
         schemas = tuple((n, json.dumps(s, sort_keys=True)) for n, s in by_name.items())
         if choice in (None, "auto"):
+            if parser is not None:
+                return cls(schemas, parser=parser)
             raise _bad("tool_choice", '"auto" needs a tool-call parser for this model, and none '
-                       'is configured: use "required" or a named function '
-                       '({"type": "function", "function": {"name": ...}})')
+                       'is configured (ingress.tool_call_parser): use "required" or a named '
+                       'function ({"type": "function", "function": {"name": ...}})')
         if choice == "required":
             return cls(schemas, parallel=parallel)
         name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
@@ -84,10 +91,13 @@ class ToolMode:
             raise _bad("tool_choice", f"no tool is named {name!r}")
         return cls(schemas, name)
 
-    def constraint(self) -> Constraint:
-        """What the answer must be: the named function's arguments, or the array of calls,
+    def constraint(self) -> Constraint | None:
+        """What the answer must be (None for ``auto``: the model's own text, parsed after):
+        the named function's arguments, or the array of calls,
         in compact JSON (whitespace between tokens is not the model's to choose: a small
         model left free to indent can spend its tokens on it)."""
+        if self.parser is not None:
+            return None
         schemas = {n: json.loads(s) for n, s in self.schemas}
         compact = {"x-guidance": {"whitespace_flexible": False}}
         if self.name is not None:
@@ -101,17 +111,57 @@ class ToolMode:
             calls["maxItems"] = 1
         return Constraint.json_schema(calls, "tool_choice")
 
+    def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """(content, tool_calls) of a finished answer: a forced call's JSON as calls (the
+        text as content when it is not a whole call); ``auto``: the calls the parser finds
+        and the text around them (None when there is none)."""
+        if self.parser is None:
+            calls = self.calls(text)
+            return (text, None) if calls is None else (None, calls)
+        content, found = PARSERS[self.parser](text, {n for n, _ in self.schemas})
+        return (text, None) if not found else (content or None, _as_calls(found))
+
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The answer as OpenAI's ``tool_calls``, or None when it is not a whole call (cut
-        short by max_tokens: the text is then returned as content)."""
+        """A forced answer as OpenAI's ``tool_calls``, or None when it is not a whole call
+        (cut short by max_tokens: the text is then returned as content)."""
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
             return None
         pairs = ([(self.name, value)] if self.name is not None
                  else [(c.get("name"), c.get("parameters")) for c in value])
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": n, "arguments": json.dumps(args)}} for n, args in pairs]
+        return _as_calls(pairs)
+
+
+def _as_calls(pairs: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": n, "arguments": json.dumps(args)}} for n, args in pairs]
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def hermes(text: str, names: set[str]) -> tuple[str, list[tuple[str, Any]]]:
+    """Hermes-style calls (Qwen2.5, Hermes 2 Pro...): ``<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`` blocks; (the text outside them, (name, arguments) of each block
+    that is a call of a known tool). A block that is not one stays in the text."""
+    found: list[tuple[str, Any]] = []
+
+    def take(match: re.Match) -> str:
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return match.group(0)
+        if not isinstance(call, dict) or call.get("name") not in names:
+            return match.group(0)
+        found.append((call["name"], call.get("arguments", {})))
+        return ""
+    rest = _HERMES.sub(take, text).strip()
+    return rest, found
+
+
+# tool-call parsers by name (ingress.tool_call_parser), as vLLM's --tool-call-parser
+PARSERS = {"hermes": hermes}
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ Every setting has one home, and this module only adds what has none elsewhere:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray.serve.schema import DeploymentSchema
@@ -216,6 +216,9 @@ class IngressArgs(_Deployment):
     trace_history: int = Field(
         1024, ge=0, description="Finished requests whose server-side timings (queueing, "
         "prefill, KV hop, decode) the ingress keeps for GET /debug/requests; 0 turns it off.")
+    tool_call_parser: Literal["hermes"] | None = Field(
+        None, description="The model's own tool-call format, read from its answers for "
+        'tool_choice "auto" (app.tools.PARSERS); None: "auto" with tools is a 400.')
 
     def _placement(self) -> dict[str, Any]:
         return {"resources": {self.resource_tag: 0.01}} if self.resource_tag else {}

@@ -43,6 +43,7 @@ from app.protocol import (
     new_id,
 )
 from app.sequence import validate_prompt
+from app.tools import ToolMode
 from deployments.admission import QueueWait
 from deployments.args import AppArgs
 from deployments.kv_budget import KVBudget, budget_from_cluster
@@ -195,11 +196,21 @@ class Ingress:
         if req.max_tokens is None:
             # never let the default push a valid prompt over the context
             default_max = max(1, min(default_max, max_len - len(ids)))
-        sampling = req.sampling_params(default_max).with_seed()
+        sampling = req.sampling_params(default_max, self.tool_parser(req)).with_seed()
         validate_prompt(ids, sampling, max_model_len=max_len, vocab_size=self.shape.vocab_size,
                         param=endpoint.prompt_param)
         return PrefillRequest(new_id(endpoint.id_prefix, client_id), tuple(ids), sampling,
                               n=req.n or 1)
+
+    def tool_parser(self, req: GenerationRequest) -> str | None:
+        return self.args.ingress.tool_call_parser if isinstance(req, ChatCompletionRequest) \
+            else None
+
+    def tool_mode(self, endpoint: Endpoint, req: GenerationRequest) -> ToolMode | None:
+        """A chat answer's tool calls (``app.tools``), or None for text."""
+        if endpoint is not Endpoint.CHAT or not isinstance(req, ChatCompletionRequest):
+            return None
+        return req.tool_mode(self.tool_parser(req))
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -320,7 +331,7 @@ class Ingress:
                                [lps for *_, lps in results]
                                if preq.sampling.logprobs is not None else None,
                                cached_tokens=trace.cached_tokens or 0,
-                               tool_mode=req.tool_mode() if endpoint is Endpoint.CHAT else None)
+                               tool_mode=self.tool_mode(endpoint, req))
 
     async def indexed_deltas(self, endpoint: Endpoint, preq: PrefillRequest,
                              trace: RequestTrace) -> AsyncIterator[tuple[int, StreamDelta]]:
@@ -345,7 +356,7 @@ class Ingress:
         return stream_chunks(endpoint, preq.request_id, self.model_name, preq.num_tokens,
                              self.indexed_deltas(endpoint, preq, trace), include_usage,
                              cached_tokens=lambda: trace.cached_tokens or 0,
-                             tool_mode=req.tool_mode() if endpoint is Endpoint.CHAT else None)
+                             tool_mode=self.tool_mode(endpoint, req))
 
     async def answer(self, endpoint: Endpoint, req: GenerationRequest,
                      http: Request) -> Response:

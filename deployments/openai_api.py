@@ -309,12 +309,12 @@ def completion_logprobs(entries: list[LogprobText], text_offset: int = 0) -> dic
 
 def tool_answer(mode: ToolMode | None, text: str, finish: FinishReason | None
                 ) -> tuple[str | None, list[dict[str, Any]] | None, FinishReason | None]:
-    """(content, tool_calls, finish) of a chat answer: a forced call's JSON as tool_calls
-    (``finish_reason: "tool_calls"``) when it is whole, else the text as it is."""
-    calls = mode.calls(text) if mode is not None and finish is FinishReason.STOP else None
-    if calls is None:
+    """(content, tool_calls, finish) of a chat answer (``ToolMode.answer``): its calls with
+    ``finish_reason: "tool_calls"`` when it ended with whole ones, else the text as it is."""
+    if mode is None or finish is not FinishReason.STOP:
         return text, None, finish
-    return None, calls, FinishReason.TOOL_CALLS
+    content, calls = mode.answer(text)
+    return (text, None, finish) if calls is None else (content, calls, FinishReason.TOOL_CALLS)
 
 
 def completion_body(endpoint: Endpoint, request_id: str, model: str,
@@ -389,7 +389,7 @@ async def stream_chunks(endpoint: Endpoint, request_id: str, model: str, prompt_
             content: dict[str, Any] = ({"role": "assistant", "content": delta.text} if first
                                        else {"content": delta.text})
             if calls is not None:
-                content = {**content, "content": None,
+                content = {**content, "content": delta.text or None,
                            "tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
                 finish = FinishReason.TOOL_CALLS.value
             choice = {"index": index, "delta": content, "finish_reason": finish,
@@ -412,8 +412,8 @@ def _held_back(mode: ToolMode, held: dict[int, str], index: int, delta: StreamDe
     if delta.finish_reason is None:
         return dataclasses.replace(delta, text=""), None
     text = held.pop(index)
-    _, calls, _ = tool_answer(mode, text, delta.finish_reason)
-    return dataclasses.replace(delta, text="" if calls else text), calls
+    content, calls, _ = tool_answer(mode, text, delta.finish_reason)
+    return dataclasses.replace(delta, text=content or ""), calls
 
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

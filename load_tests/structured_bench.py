@@ -7,7 +7,8 @@ shared machine hits each alike; each batch is refilled (fresh sequences, 48-toke
 whenever a row finishes, outside the timing. A constrained row's mask is computed on the
 engine thread in the step (llguidance), then applied to its logits.
 
-    python -m load_tests.structured_bench [--threads 1] [--rounds 5] [--steps 30] [--json F]
+    python -m load_tests.structured_bench [--threads 1] [--dtype auto] [--rounds 5]
+        [--steps 30] [--json F]
 """
 
 from __future__ import annotations
@@ -104,12 +105,13 @@ def compile_times() -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype (default: auto)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--json", default=None, help="write the figures here too")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    core = EngineCore(EngineConfig(num_threads=args.threads))
+    core = EngineCore(EngineConfig(num_threads=args.threads, dtype=args.dtype))
     eos = frozenset({2})
     core.grammars.warm(eos).join()
     compile_times()  # llguidance imported and warm: the next figures are a schema's own
@@ -128,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     flags = cpu_flags() or set()
     print(f"CPU: {platform.processor() or platform.machine()}; "
           f"{' '.join(sorted(f for f in flags if f.startswith(('avx', 'amx'))))}")
-    print(f"decode step, batch 8, {args.threads} thread(s), medians of {args.rounds} rounds "
-          f"of {args.steps} steps")
+    print(f"decode step, batch 8, {core.config.resolved_dtype}, {args.threads} thread(s), "
+          f"medians of {args.rounds} rounds of {args.steps} steps")
     for key, value in figures.items():
         print(f"{key:32s} {value}")
     if args.json:

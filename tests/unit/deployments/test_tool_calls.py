@@ -133,3 +133,37 @@ def test_a_conversation_with_calls_and_results_goes_through_the_template(engine)
                                                 "tool_choice": "none", "max_tokens": 8})
     text = engine.prompts.chat_text(req.message_dicts(), tools=req.template_tools())
     assert "18C and sunny" in text and text.rstrip().endswith("assistant")
+
+
+def test_auto_with_a_configured_parser_reads_the_model_s_own_calls():
+    """tool_choice auto (or absent) with ingress.tool_call_parser: hermes: the answer is
+    unconstrained, its <tool_call> blocks of known tools become tool_calls and the text
+    around them the content; an answer without one is plain text."""
+    req = _request()  # tools, no tool_choice: auto
+    mode = req.tool_mode("hermes")
+    assert mode is not None and mode.constraint() is None
+    assert req.sampling_params(16, "hermes").constraint is None
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+            '"Oslo"}}\n</tool_call>\n<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
+    body = completion_body(Endpoint.CHAT, "id", "m", [(text, FinishReason.STOP)], 1, 9,
+                           tool_mode=mode)
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert choice["message"]["content"].startswith("Let me check.")
+    assert '"nope"' in choice["message"]["content"]  # not a known tool: left as text
+    plain = completion_body(Endpoint.CHAT, "id", "m", [("It is sunny.", FinishReason.STOP)],
+                            1, 3, tool_mode=mode)["choices"][0]
+    assert plain["finish_reason"] == "stop" and plain["message"] == {
+        "role": "assistant", "content": "It is sunny."}
+
+
+def test_the_parser_setting_is_checked():
+    from pydantic import ValidationError
+
+    from deployments.args import IngressArgs
+
+    assert IngressArgs(tool_call_parser="hermes").tool_call_parser == "hermes"
+    with pytest.raises(ValidationError):
+        IngressArgs(tool_call_parser="mistral")
