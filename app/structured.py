@@ -101,13 +101,13 @@ class Grammars:
         self._ll: dict[int | None, Any] = {}
         self._lock = threading.Lock()
 
-    def warm(self, eos_token_ids: frozenset[int]) -> threading.Thread:
-        """Convert the tokenizer now, on a thread of its own (a replica starting), so the
-        first constrained answer does not hold the engine's thread for it."""
-        thread = threading.Thread(target=self._ll_tokenizer, args=(eos_token_ids,),
-                                  name="grammars-warm", daemon=True)
-        thread.start()
-        return thread
+    def warm(self, eos_token_ids: frozenset[int]) -> None:
+        """Convert the tokenizer now: a replica does it in its constructor, before it takes
+        requests, so the first constrained answer does not hold the engine's thread for it.
+        (Not on a thread of its own once serving: the conversion holds the GIL for most of
+        a second, and a replica that stalls its event loop that long just after starting
+        is routed around: the autoscaling tests saw it.)"""
+        self._ll_tokenizer(eos_token_ids)
 
     def _ll_tokenizer(self, eos_token_ids: frozenset[int]) -> Any:
         with self._lock:

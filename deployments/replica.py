@@ -78,7 +78,7 @@ class DecodeReplica:
         self.core = EngineCore(cfg)
         self.eos_token_ids = model_eos_token_ids(self.core)
         self.loop = self.core.make_decode_loop(self.eos_token_ids)
-        self.core.grammars.warm(self.eos_token_ids)  # structured outputs, off the engine thread
+        self.core.grammars.warm(self.eos_token_ids)  # structured outputs, before serving
         self.node_id = ray.get_runtime_context().get_node_id()
         self.replica_id = current_replica_id()
         self.metrics = DecodeMetrics(self.args.model_name)

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     core = EngineCore(EngineConfig(num_threads=args.threads, dtype=args.dtype))
     eos = frozenset({2})
-    core.grammars.warm(eos).join()
+    core.grammars.warm(eos)
     compile_times()  # llguidance imported and warm: the next figures are a schema's own
     figures = compile_times()
     batches = {n: Batch(core, n, eos) for n in (0, 1, 8)}

@@ -157,7 +157,7 @@ def test_the_cli_takes_the_same_constraints(tmp_path, capsys):
     assert "guided_regex: not a valid regex" in capsys.readouterr().err
 
 
-def test_warming_converts_the_tokenizer_once_off_the_engine_thread():
+def test_warming_converts_the_tokenizer_once_before_any_request():
     from app.structured import Grammars
 
     loads = []
@@ -167,7 +167,7 @@ def test_warming_converts_the_tokenizer_once_off_the_engine_thread():
         loads.append(1)
         return load_tokenizer(EngineConfig())
     grammars = Grammars(load)
-    grammars.warm(frozenset({2})).join(timeout=120)
+    grammars.warm(frozenset({2}))
     assert loads == [1] and grammars._ll  # converted before any request
     matcher = grammars.matcher(Constraint.choice(["a"], "x"), (), frozenset({2}))
     assert loads == [1] and not matcher.stopped
