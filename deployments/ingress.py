@@ -54,14 +54,13 @@ from deployments.openai_api import (
     SSE_RESPONSE,
     api,
     client_request_id,
-    completion_body,
     error_response,
     merge_streams,
     sse_response,
-    stream_chunks,
     validation_error,
 )
 from deployments.request_trace import RequestTrace, TraceHistory
+from deployments.responses import completion_body, stream_chunks
 from deployments.split_path import SharedPackage, SplitPath, choice_request, unwrap_error
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest

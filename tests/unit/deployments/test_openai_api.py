@@ -25,7 +25,8 @@ from app.protocol import (
     StreamChunk,
 )
 from app.sampling import SamplingParams, TokenLogprobs
-from deployments.openai_api import completion_body, merge_streams, stream_chunks, validation_error
+from deployments.openai_api import merge_streams, validation_error
+from deployments.responses import completion_body, stream_chunks
 
 
 async def _items(values, delay=0.0, fail_at=None, closed=None):

@@ -18,7 +18,7 @@ from app.messages import FinishReason
 from app.output import StreamDelta
 from app.protocol import ChatCompletionRequest, Endpoint
 from app.tools import ToolMode
-from deployments.openai_api import completion_body, stream_chunks
+from deployments.responses import completion_body, stream_chunks
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
