@@ -31,21 +31,23 @@ from app.output import LogprobText, StreamDelta, text_deltas
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
-    DetokenizeResponse,
     Endpoint,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
-    TokenizeResponse,
-    VersionResponse,
-    new_id,
 )
 from app.sequence import validate_prompt
 from app.tools import ToolMode
 from deployments.admission import QueueWait
 from deployments.args import AppArgs
+from deployments.bodies import (
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+    new_id,
+)
 from deployments.kv_budget import KVBudget, budget_from_cluster
 from deployments.metrics import IngressMetrics
 from deployments.openai_api import (

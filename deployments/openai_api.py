@@ -32,10 +32,7 @@ from app.errors import (
     NotFoundError,
     PayloadTooLargeError,
 )
-from app.protocol import (
-    ErrorResponse,
-    error_body,
-)
+from deployments.bodies import ErrorResponse, error_body
 from deployments.split_path import unwrap_error
 
 T = TypeVar("T")
@@ -76,7 +73,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     for code in (400, 401, 404, 413, 429, 500, 503, 504)
 }
 # Before OpenAPI 3.2 an event stream's `schema` describes one event: its `data` is a JSON
-# chunk (app.protocol.StreamChunk), an error body, or "[DONE]".
+# chunk (deployments.bodies.StreamChunk), an error body, or "[DONE]".
 SSE_RESPONSE: dict[int | str, dict[str, Any]] = {200: {
     "description": "The completion, or an SSE stream of chunks when stream is true",
     "content": {"text/event-stream": {"schema": {
@@ -221,7 +218,7 @@ def client_request_id(given: str | None) -> str:
     """The id a request is known by to its client and in logs: ``given`` (the client's
     X-Request-Id) when it is 1 to 128 visible ASCII characters, else Serve's id for the
     request if that is, else a new one. Only ever echoed and logged: the id that keys the
-    request inside the system adds a unique suffix (``app.protocol.new_id``)."""
+    request inside the system adds a unique suffix (``deployments.bodies.new_id``)."""
     for candidate in (given, serve_request_id()):
         if candidate and len(candidate) <= MAX_REQUEST_ID and _VISIBLE.fullmatch(candidate):
             return candidate

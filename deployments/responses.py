@@ -12,16 +12,16 @@ from typing import Any
 
 from app.messages import FinishReason
 from app.output import LogprobText, StreamDelta
-from app.protocol import (
+from app.protocol import Endpoint
+from app.tools import ToolMode
+from deployments.bodies import (
     AssistantMessage,
     ChatChoice,
     CompletionChoice,
     CompletionResponse,
-    Endpoint,
     Usage,
     now,
 )
-from app.tools import ToolMode
 
 
 def _reason(finish: FinishReason | None) -> str | None:
@@ -98,7 +98,7 @@ async def stream_chunks(endpoint: Endpoint, request_id: str, model: str, prompt_
                         cached_tokens: Callable[[], int] = lambda: 0,
                         tool_mode: ToolMode | None = None,
                         ) -> AsyncIterator[dict[str, Any]]:
-    """The chunk dicts of a streamed answer (the shape of ``app.protocol.StreamChunk``,
+    """The chunk dicts of a streamed answer (the shape of ``deployments.bodies.StreamChunk``,
     built as plain dicts: this runs once per token). ``deltas`` yields (choice index,
     delta); each choice's first chunk is sent even when empty (it carries the role).
     ``cached_tokens`` is called for the usage chunk, at the end: the prefix cache's share
