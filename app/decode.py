@@ -103,6 +103,22 @@ class Decoder:
         seq.status = SequenceStatus.WAITING
         self.waiting.append((seq, package))
 
+    def _build_matcher(self, seq: Sequence) -> bool:
+        """A constrained sequence's matcher, rebuilt past the tokens its stream has output
+        (the first token, a resume's); False when its constraint cannot be had here."""
+        constraint = seq.sampling.constraint
+        if constraint is None:
+            return True
+        try:
+            assert self.grammars is not None, "a constrained answer needs grammars"
+            seq.matcher = self.grammars.matcher(constraint, seq.generated_token_ids,
+                                                self.eos_token_ids)
+        except Exception:
+            logger.exception("request %s: its constraint failed on this replica",
+                             seq.request_id)
+            return False
+        return True
+
     def _reservation(self, seq: Sequence) -> int:
         """Blocks ``seq`` may fill at most: prompt + max_tokens, within the context."""
         return self.blocks.blocks_for(min(seq.max_total_tokens, self.runner.max_model_len))
@@ -120,16 +136,15 @@ class Decoder:
                     continue
                 break
             self.waiting.popleft()
+            if not self._build_matcher(seq):
+                seq.finish(FinishReason.ERROR)  # its own answer fails; the batch goes on
+                self._rejected.append(seq)
+                continue
             self.reserved_blocks += need
             seq.blocks = self.blocks.allocate(self.blocks.blocks_for(package.seq_len))
             self.cache.write(seq.blocks, package.kv_tensor(self.runner.kv_device))
             seq.kv_len, seq.status = package.seq_len, SequenceStatus.RUNNING
             seq.joined_at = time.perf_counter()
-            constraint = seq.sampling.constraint
-            if constraint is not None:  # rebuilt past the tokens the stream has output
-                assert self.grammars is not None, "a constrained answer needs grammars"
-                seq.matcher = self.grammars.matcher(constraint, seq.generated_token_ids,
-                                                    self.eos_token_ids)
             self.running.append(seq)
 
     def _grow(self, seq: Sequence) -> None:

@@ -171,3 +171,35 @@ def test_warming_converts_the_tokenizer_once_before_any_request():
     assert loads == [1] and grammars._ll  # converted before any request
     matcher = grammars.matcher(Constraint.choice(["a"], "x"), (), frozenset({2}))
     assert loads == [1] and not matcher.stopped
+
+
+def test_a_constraint_that_fails_on_the_decode_replica_fails_only_its_answer(engine):
+    """A constraint the ingress would refuse, reaching a decode replica anyway: its answer
+    ends with an error, the other row of the batch decodes as it does alone."""
+    from dataclasses import replace
+
+    from app.decode import Decoder
+    from app.messages import FinishReason
+    from app.sequence import Sequence
+
+    core, eos = engine.core, engine.eos_token_ids
+    decoder = Decoder(core.runner, eos_token_ids=eos, max_batch_size=4, max_kv_tokens=4096,
+                      grammars=core.grammars)
+    plain = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    ids = tuple(engine.prompts.encode_chat(ASK))
+    pkgs = engine.prefiller.make_packages([PrefillRequest("ok", ids, plain),
+                                           PrefillRequest("bad", ids, plain)])
+    seqs = []
+    for pkg in pkgs:
+        sp = pkg.sampling if pkg.request_id == "ok" else replace(
+            pkg.sampling, constraint=Constraint("regex", "(unclosed", "guided_regex"))
+        seq = Sequence(pkg.request_id, list(pkg.prompt_ids), sp)
+        seq.append(pkg.first_token, eos_token_ids=eos, max_model_len=2048)
+        decoder.add(seq, pkg)
+        seqs.append(seq)
+    while not all(s.is_finished for s in seqs):
+        decoder.step()
+    ok, bad = seqs
+    assert bad.finish_reason is FinishReason.ERROR and len(bad.output_token_ids) == 1
+    alone = _run(engine, plain).token_ids
+    assert ok.output_token_ids == alone and ok.finish_reason is FinishReason.LENGTH
