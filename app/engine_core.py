@@ -18,7 +18,8 @@ import torch
 
 from app.chat import PromptBuilder
 from app.config import EngineConfig
-from app.decode import DecodeLoop, Decoder
+from app.decode import Decoder
+from app.decode_loop import DecodeLoop
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest
 from app.model_loader import fingerprint, load_model, load_tokenizer

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from app.decode import DecodeLoop
+from app.decode_loop import DecodeLoop
 from app.engine_core import EngineCore
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest
