@@ -44,16 +44,16 @@ void panel_linear(const float *x, long m, long k, const float *p, long n, const 
 int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
                    const float *scale, long n, const float *bias, float *y, int threads);
 
-/* panel_bf16dp.c: bf16 pair panels through vdpbf16ps */
+/* panel_bf16dp.c: bf16 pair panels through vdpbf16ps (and the pair packing of both kinds) */
 int panel_has_avx512bf16(void);
 long panel_pair_elems(long n, long k);
 void panel_pack_pairs(const uint16_t *w, long ldw, long n, long k, uint16_t *p);
+void panel_pack_pairs_i8(const int8_t *w, long ldw, long n, long k, int8_t *p);
 int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, const float *bias,
                   float *y, int threads);
 
 /* panel_i8dp.c: int8 pair panels through vpdpwssd */
 int panel_has_avx512vnni(void);
-void panel_pack_pairs_i8(const int8_t *w, long ldw, long n, long k, int8_t *p);
 int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
                 const float *scale, float *y, int threads);
 

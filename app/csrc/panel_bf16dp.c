@@ -45,18 +45,29 @@ int panel_has_avx512bf16(void) {
 /* Elements (bf16) in the pair panels of an [n, k] weight. */
 long panel_pair_elems(long n, long k) { return ((n + NR - 1) / NR) * ((k + 1) / 2) * NR * 2; }
 
-/* W [N, K] bf16 row-major (row stride ldw) into pair panels, zero padded. */
-void panel_pack_pairs(const uint16_t *w, long ldw, long n, long k, uint16_t *p) {
+/* W [N, K] row-major (row stride ldw) into pair panels [N/16][K/2][16][2], zero padded;
+   elements of `size` bytes copied as they are (2: bf16 here, 1: int8 for panel_i8dp.c). */
+static void pack_pairs_any(const char *w, long ldw, long n, long k, char *p, size_t size) {
     long panels = (n + NR - 1) / NR, kp = (k + 1) / 2;
     for (long q = 0; q < panels; q++) {
-        uint16_t *dst = p + q * kp * NR * 2;
+        char *dst = p + (size_t)(q * kp * NR * 2) * size;
         for (long j = 0; j < NR; j++) {
             long row = q * NR + j;
-            for (long kk = 0; kk < 2 * kp; kk++)
-                dst[(kk / 2) * NR * 2 + j * 2 + (kk % 2)] =
-                    (row < n && kk < k) ? w[row * ldw + kk] : 0;
+            for (long kk = 0; kk < 2 * kp; kk++) {
+                char *d = dst + (size_t)((kk / 2) * NR * 2 + j * 2 + (kk % 2)) * size;
+                if (row < n && kk < k) memcpy(d, w + (size_t)(row * ldw + kk) * size, size);
+                else memset(d, 0, size);
+            }
         }
     }
+}
+
+void panel_pack_pairs(const uint16_t *w, long ldw, long n, long k, uint16_t *p) {
+    pack_pairs_any((const char *)w, ldw, n, k, (char *)p, sizeof(uint16_t));
+}
+
+void panel_pack_pairs_i8(const int8_t *w, long ldw, long n, long k, int8_t *p) {
+    pack_pairs_any((const char *)w, ldw, n, k, (char *)p, sizeof(int8_t));
 }
 
 /* x [m, k] float32 into xb [m, kp] pairs of bf16 (RNE), the last pair padded with zero. */

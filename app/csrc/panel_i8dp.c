@@ -16,7 +16,7 @@
  * one otherwise (an input that is not finite makes its block's scale NaN: the row's outputs
  * are NaN, as a float product's would be).
  *
- * Layout: as panel_bf16dp.c's pairs, int8: P[N/16][K/2][16][2] (a column's weights at k and
+ * Layout (packed by panel_bf16dp.c's panel_pack_pairs_i8): as bf16's pairs, int8: P[N/16][K/2][16][2] (a column's weights at k and
  * k + 1 side by side, one 16-bit pair), K padded to even with a zero; panel_pair_elems counts
  * them. Tiles: 1-2 rows x 8 panels, up to 6 rows x 4 panels (decode) or 12 x 2 (prefill
  * blocks of 48 rows), at most 24 integer sums in registers; the float sums wait in y between
@@ -50,20 +50,6 @@ int panel_has_avx512vnni(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
-}
-
-/* W [N, K] int8 row-major (row stride ldw) into pair panels, zero padded. */
-void panel_pack_pairs_i8(const int8_t *w, long ldw, long n, long k, int8_t *p) {
-    long panels = (n + NR - 1) / NR, kp = (k + 1) / 2;
-    for (long q = 0; q < panels; q++) {
-        int8_t *dst = p + q * kp * NR * 2;
-        for (long j = 0; j < NR; j++) {
-            long row = q * NR + j;
-            for (long kk = 0; kk < 2 * kp; kk++)
-                dst[(kk / 2) * NR * 2 + j * 2 + (kk % 2)] =
-                    (row < n && kk < k) ? w[row * ldw + kk] : 0;
-        }
-    }
 }
 
 /* x [m, k] float32 into xq [m, kp] pairs of int16 and xs [m, blocks] their blocks' scales. */

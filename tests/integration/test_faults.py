@@ -380,17 +380,23 @@ def test_client_disconnect_frees_the_decode_slot(url):
 # ---- faults -------------------------------------------------------------------------------
 
 
-def test_decode_replica_dies_mid_stream_and_the_stream_resumes(url, engine):
-    prompt = "Once upon a time in a small village,"
-    expected = reference_text(engine, prompt, 40)
-    killed: list[str] = []
-
+def kill_busy_decode_replica_at(chunk: int, killed: list[str]):
+    """A stream's on_chunk that kills the decode replica serving it at chunk ``chunk``
+    (its id appended to ``killed``)."""
     def on_chunk(n: int) -> None:
-        if n == 8 and not killed:
+        if n == chunk and not killed:
             rid = busy_decode_replica()
             [actor] = [a for a in replicas("DecodeServer") if rid in a.name]
             kill(actor)
             killed.append(rid)
+    return on_chunk
+
+
+def test_decode_replica_dies_mid_stream_and_the_stream_resumes(url, engine):
+    prompt = "Once upon a time in a small village,"
+    expected = reference_text(engine, prompt, 40)
+    killed: list[str] = []
+    on_chunk = kill_busy_decode_replica_at(8, killed)
 
     text, errors = stream_text(url, prompt, 40, on_chunk)
     assert killed and not errors
@@ -413,13 +419,7 @@ def test_a_constrained_stream_resumes_valid_and_token_exact(url, engine):
                         constraint=Constraint.json_schema(schema, "guided_json"))
     expected = asyncio.run(engine.generate(engine.make_request(sp, prompt=prompt))).text
     killed: list[str] = []
-
-    def on_chunk(n: int) -> None:
-        if n == 8 and not killed:
-            rid = busy_decode_replica()
-            [actor] = [a for a in replicas("DecodeServer") if rid in a.name]
-            kill(actor)
-            killed.append(rid)
+    on_chunk = kill_busy_decode_replica_at(8, killed)
 
     text, errors = stream_text(url, prompt, 80, on_chunk, temperature=1.0, seed=9,
                                ignore_eos=False, guided_json=schema)
