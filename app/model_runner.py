@@ -47,6 +47,7 @@ from app.paged_attention import (
     PrefillSpan,
     inplace_attention_unavailable,
     prefill_attention_unavailable,
+    serving_sdpa_backends,
 )
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,9 @@ class ModelRunner:
         # Decode steps attend over the paged pool (app.paged_attention); every other pass
         # (prefill) is the model's SDPA through the same registered function.
         model.set_attn_implementation(PAGED_ATTENTION)
+        sdpa_note = serving_sdpa_backends([span.device for span in self.spans])
+        if sdpa_note:
+            logger.info("%s", sdpa_note)
         # decode attention reads the pool in place with the engine's CPU kernel where it can
         reason = (None if config.cpu_attention_kernel
                   else "turned off (cpu_attention_kernel: false)")

@@ -249,6 +249,19 @@ def prefill_attention_unavailable(dtype: torch.dtype, devices, head_dim: int,
     return kernel_unavailable(cache_dir)
 
 
+def serving_sdpa_backends(devices) -> str | None:
+    """On a CUDA device, turn torch's cuDNN attention off for this process; returns why (or
+    None where nothing changed). cuDNN builds an execution plan for each new shape, and a
+    served pass has a new shape at nearly every call (every decode step's key length, every
+    prompt's length); flash and memory-efficient attention, which torch picks instead, have
+    no per-shape set-up. BENCHMARKS.md's GPU check measured the difference."""
+    if not any(torch.device(d).type == "cuda" for d in devices):
+        return None
+    if torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    return "cuDNN attention off: it plans each new shape, and served shapes change every step"
+
+
 def _kernel_serves(query, key, kwargs) -> bool:
     """A pass the prefill kernel computes as the model's SDPA would: float32 on the CPU, no
     attention window shorter than the keys, no logit soft-capping."""

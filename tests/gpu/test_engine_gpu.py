@@ -35,4 +35,6 @@ def test_greedy_tokens_equal_generate_on_the_gpu(gpu_greedy):
     assert len(gpu_greedy) == len(CHAT_PROMPTS)
     for i, g in enumerate(gpu_greedy):
         assert g.expected, f"prompt {i}: generate() gave no tokens"
-        assert g.alone == g.expected, f"prompt {i} ({g.prompt_tokens} tokens) differs"
+        # equal, or leaving generate() only where the two tokens tie within bf16's rounding
+        # (a full forward's logits; load_tests.gpu_check.Divergence)
+        assert g.agrees_alone, f"prompt {i} ({g.prompt_tokens} tokens) differs: {g.divergence}"

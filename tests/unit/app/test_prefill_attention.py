@@ -153,3 +153,20 @@ def test_where_the_kernel_does_not_apply_it_says_why():
     assert prefill_attention_unavailable(torch.float32, ["cuda:0"], 64) == (
         "the model is not on the CPU")
     assert prefill_attention_unavailable(torch.float32, ["cpu"], 64) is None
+
+
+def test_cudnn_attention_is_turned_off_only_for_a_cuda_runner():
+    """cuDNN plans each new shape (decode's key length changes every step): a runner on a
+    CUDA device turns it off for its process; a CPU runner leaves torch's settings alone."""
+    from app.paged_attention import serving_sdpa_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert serving_sdpa_backends([torch.device("cpu")]) is None
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        note = serving_sdpa_backends([torch.device("cpu"), torch.device("cuda", 1)])
+        assert note and "cuDNN attention off" in note
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

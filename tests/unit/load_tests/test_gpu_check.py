@@ -58,3 +58,30 @@ def test_a_greedy_mismatch_fails_the_check_and_says_where():
     assert "0/1 prompts decoded alone" in table
     assert "differs at output 2: [9, 4] vs generate [3, 4]" in table
     assert not CheckReport("cpu", "cpu", "float32", "float32").ok  # nothing checked: not ok
+
+
+def test_a_divergence_is_measured_in_a_full_forward_and_a_tie_passes(tiny_model):
+    from app.engine_core import EngineCore
+    from load_tests.gpu_check import Divergence, divergence
+
+    core = EngineCore(EngineConfig(device="cpu", max_kv_tokens=4096), model=tiny_model)
+    prompt, expected = [5, 17, 99, 3], [40, 41, 42]
+    with torch.inference_mode():
+        logits = tiny_model(torch.tensor([prompt + expected[:1]])).logits[0, -1]
+        d = divergence(core, prompt, [40, 7, 8], expected)
+    assert (d.at, d.engine_token, d.generate_token) == (1, 7, 41)
+    assert abs(d.logit_gap - abs(logits[7] - logits[41]).item()) < 1e-5
+    big = max(abs(logits[7].item()), abs(logits[41].item()))
+    assert abs(d.tolerance - 2 * torch.finfo(torch.float32).eps * big) < 1e-9
+    assert divergence(core, prompt, expected, expected) is None
+    assert divergence(core, prompt, expected[:2], expected) is None  # stopped early: no token
+
+    tie = Divergence(2, 9, 3, logit_gap=0.1, tolerance=0.2)
+    far = Divergence(2, 9, 3, logit_gap=0.5, tolerance=0.2)
+    for div, ok in ((tie, True), (far, False)):
+        report = CheckReport("cuda:0", "GPU", "bfloat16", "bfloat16", greedy=[
+            GreedyResult(5, [1, 2, 3, 4], [1, 2, 9, 4], [1, 2, 9, 4], div)])
+        assert report.ok is ok and report.as_dict()["greedy"][0]["agrees_alone"] is ok
+        table = format_report(report, "m")
+        verdict = "0.1000 (within" if ok else "0.5000 (beyond"
+        assert f"full-forward logit gap {verdict} the tolerance 0.2000)" in table
