@@ -4,6 +4,9 @@ server's median over the rounds and its ratio to vLLM's in the same round, as th
 with the min-max of the rounds' ratios.
 
     python load_tests/peer_rounds.py ROUND_DIR [ROUND_DIR ...] [--servers vllm split colocated]
+        [--figure "W-short:ITL p99 ms" ...]
+
+``--figure WORKLOAD:FIGURE`` (any of ``peer_table``'s figures) adds a row to the default ones.
 
 Standard library only, as ``peer_table.py``.
 """
@@ -24,13 +27,29 @@ KEY_FIGURES = {"W-single": ("TPOT p50 ms", "out tok/s"), "W-short": ("out tok/s"
                "W-long": ("prompt tok/s", "TTFT p50 ms")}
 
 
-def load(rounds: list[Path], servers: list[str]) -> dict:
-    """{(workload, figure): {server: [value per round]}} for the rounds that have it."""
+def with_figures(extra: list[str]) -> dict:
+    """KEY_FIGURES plus ``WORKLOAD:FIGURE`` entries (a figure label of ``peer_table``)."""
+    figures = {w: tuple(labels) for w, labels in KEY_FIGURES.items()}
+    labels = {label for label, _ in FIGURES}
+    for entry in extra:
+        workload, _, label = entry.partition(":")
+        if workload not in WORKLOADS or label not in labels:
+            raise ValueError(f"unknown figure {entry!r}: WORKLOAD:FIGURE of {WORKLOADS} "
+                             f"and {sorted(labels)}")
+        if label not in figures.get(workload, ()):
+            figures[workload] = (*figures.get(workload, ()), label)
+    return figures
+
+
+def load(rounds: list[Path], servers: list[str], figures: dict | None = None) -> dict:
+    """{(workload, figure): {server: [value per round]}} for the rounds that have it;
+    ``figures`` ({workload: labels}, KEY_FIGURES by default) chooses the rows."""
+    figures = KEY_FIGURES if figures is None else figures
     table: dict = {}
     for folder in rounds:
         for workload in WORKLOADS:
             for label, read in FIGURES:
-                if label not in KEY_FIGURES.get(workload, ()):
+                if label not in figures.get(workload, ()):
                     continue
                 for server in servers:
                     path = folder / f"{server}_{workload}.json"
@@ -65,8 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rounds", type=Path, nargs="+")
     ap.add_argument("--servers", nargs="+", default=SERVERS)
+    ap.add_argument("--figure", action="append", default=[],
+                    help="WORKLOAD:FIGURE to add to the default rows (repeatable)")
     args = ap.parse_args(argv)
-    print(render(load(args.rounds, args.servers), args.servers))
+    try:
+        figures = with_figures(args.figure)
+    except ValueError as exc:
+        ap.error(str(exc))
+    print(render(load(args.rounds, args.servers, figures), args.servers))
     return 0
 
 
