@@ -158,14 +158,18 @@ class PrefillPhaseArgs(PhaseArgs):
         },
     }
 
-    resource_tag: str | None = "prefill_accel"
+    resource_tag: str | None = Field(
+        "prefill_accel", description="Custom Ray resource each prefill replica asks for; "
+        "the nodes that offer it run the prefill phase. None: no tag.")
     scaling: PrefillParams = Field(
         default_factory=PrefillParams, description="The prefill policy's parameters "
         "(deployments.autoscaling.PrefillParams), used once autoscaling_config is set.")
 
 
 class DecodePhaseArgs(PhaseArgs):
-    resource_tag: str | None = "decode_accel"
+    resource_tag: str | None = Field(
+        "decode_accel", description="Custom Ray resource each decode replica asks for; "
+        "the nodes that offer it run the decode phase. None: no tag.")
     scaling: DecodeParams = Field(
         default_factory=DecodeParams, description="The decode policy's parameters "
         "(deployments.autoscaling.DecodeParams), used once autoscaling_config is set; "

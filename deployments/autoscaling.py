@@ -130,10 +130,21 @@ class PrefillParams:
     """How the prefill policy turns load into replicas (its ``policy_kwargs``)."""
 
     mode: str = POLICY_LOAD
-    target_queue_delay_s: float = 0.5  # a prompt may wait this long for its prefill
-    tokens_per_s: float | None = None  # one replica's prefill throughput; None = measured
+    """load: scale on prompt tokens waiting or running against what one replica prefills
+    within target_queue_delay_s; slo: scale on the measured prefill latency (arrival to KV
+    package ready, worst replica) against ttft_target_ms."""
+    target_queue_delay_s: float = 0.5
+    """Load mode: how long a prompt may wait for its prefill; one replica's capacity is
+    tokens_per_s times this."""
+    tokens_per_s: float | None = None
+    """Load mode: one replica's prefill throughput in prompt tokens per second; None: what
+    the replicas measure (DEFAULT_PREFILL_TOKENS_PER_S until they have)."""
     scale_down_ratio: float = 0.6
-    ttft_target_ms: float | None = None  # SLO mode
+    """Hysteresis, in (0, 1]: scale down only to a count the load fills to at most this
+    fraction of its capacity (slo mode: whose projected latency stays within this fraction
+    of the target); up as soon as the replicas are over capacity."""
+    ttft_target_ms: float | None = None
+    """SLO mode (required there): the prefill latency target in milliseconds."""
 
     def __post_init__(self) -> None:
         if self.mode not in (POLICY_LOAD, POLICY_SLO):
@@ -185,13 +196,23 @@ class DecodeLoad:
 class DecodeParams:
     """How the decode policy turns load into replicas (its ``policy_kwargs``)."""
 
-    # The batch one replica should run (<= max_batch_size) and the KV tokens it should hold
-    # (<= max_kv_tokens); None until the app args fill them in from the engine's limits.
     sequences_per_replica: float | None = None
+    """Load mode: the batch one replica should run (<= max_batch_size); None until the app
+    args fill it in from the engine's max_batch_size."""
     kv_tokens_per_replica: float | None = None
+    """Load mode: the KV tokens one replica should hold (<= max_kv_tokens); None until the
+    app args fill it in from the engine's max_kv_tokens."""
     mode: str = POLICY_LOAD
+    """load: scale on sequences (streaming, waiting, and queued at the handles) against
+    sequences_per_replica and on KV tokens held against kv_tokens_per_replica, whichever
+    needs more replicas; slo: scale on the measured time per output token (worst replica)
+    against tpot_target_ms."""
     scale_down_ratio: float = 0.6
-    tpot_target_ms: float | None = None  # SLO mode
+    """Hysteresis, in (0, 1]: scale down only to a count the load fills to at most this
+    fraction of its capacity (slo mode: whose projected latency stays within this fraction
+    of the target); up as soon as the replicas are over capacity."""
+    tpot_target_ms: float | None = None
+    """SLO mode (required there): the time per output token target in milliseconds."""
 
     def __post_init__(self) -> None:
         if self.mode not in (POLICY_LOAD, POLICY_SLO):
