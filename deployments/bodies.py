@@ -1,6 +1,6 @@
 """The OpenAI response bodies (and the ids, timestamps and error body they carry): typed so
 that FastAPI documents them in ``/openapi.json``, built with plain values. The request bodies
-are ``app.protocol``'s.
+are ``deployments.protocol``'s.
 """
 
 from __future__ import annotations

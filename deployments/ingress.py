@@ -28,13 +28,6 @@ from app.kv_package import KVLayout
 from app.messages import FinishReason, PrefillRequest
 from app.model_loader import load_tokenizer, read_model_shape
 from app.output import LogprobText, StreamDelta, text_deltas
-from app.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    Endpoint,
-    TokenizeRequest,
-)
 from app.sequence import validate_prompt
 from app.tools import ToolMode
 from deployments.admission import QueueWait
@@ -60,6 +53,13 @@ from deployments.openai_api import (
     merge_streams,
     sse_response,
     validation_error,
+)
+from deployments.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Endpoint,
+    TokenizeRequest,
 )
 from deployments.request_trace import RequestTrace, TraceHistory
 from deployments.responses import completion_body, stream_chunks

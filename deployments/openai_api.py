@@ -3,8 +3,8 @@ of every error to OpenAI's shape, and the SSE framing (the answers' bodies:
 ``deployments.responses``).
 
 The routes themselves are methods of the Serve deployment (``deployments.ingress``); FastAPI
-validates their bodies against the typed models of ``app.protocol`` and documents every
-request and response in ``/openapi.json``. Bad input is answered with OpenAI-shaped 400s
+validates their bodies against the typed models of ``deployments.protocol`` and documents
+every request and response in ``/openapi.json``. Bad input is answered with OpenAI-shaped 400s
 (not FastAPI's 422s).
 """
 

@@ -12,7 +12,6 @@ from typing import Any
 
 from app.messages import FinishReason
 from app.output import LogprobText, StreamDelta
-from app.protocol import Endpoint
 from app.tools import ToolMode
 from deployments.bodies import (
     AssistantMessage,
@@ -22,6 +21,7 @@ from deployments.bodies import (
     Usage,
     now,
 )
+from deployments.protocol import Endpoint
 
 
 def _reason(finish: FinishReason | None) -> str | None:
@@ -29,7 +29,7 @@ def _reason(finish: FinishReason | None) -> str | None:
 
 
 def chat_logprobs(entries: list[LogprobText]) -> dict[str, Any]:
-    """Chat's ``logprobs`` of some output tokens (``app.protocol.ChatLogprobs``)."""
+    """Chat's ``logprobs`` of some output tokens (``deployments.bodies.ChatLogprobs``)."""
     def one(token: str, logprob: float) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
@@ -39,7 +39,7 @@ def chat_logprobs(entries: list[LogprobText]) -> dict[str, Any]:
 
 def completion_logprobs(entries: list[LogprobText], text_offset: int = 0) -> dict[str, Any]:
     """The completions API's ``logprobs`` of some output tokens, the first at character
-    ``text_offset`` of the answer (``app.protocol.CompletionLogprobs``)."""
+    ``text_offset`` of the answer (``deployments.bodies.CompletionLogprobs``)."""
     offsets = []
     for e in entries:
         offsets.append(text_offset)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from app.protocol import (
-    FIELD_POLICY,
+from deployments.field_policy import FIELD_POLICY
+from deployments.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,

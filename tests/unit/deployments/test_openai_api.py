@@ -17,10 +17,10 @@ from pydantic import ValidationError
 from app.errors import InvalidRequestError
 from app.messages import FinishReason, TokenEvent
 from app.output import LogprobText, StreamDelta, text_deltas
-from app.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
 from app.sampling import SamplingParams, TokenLogprobs
 from deployments.bodies import CompletionResponse, StreamChunk
 from deployments.openai_api import merge_streams, validation_error
+from deployments.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
 from deployments.responses import completion_body, stream_chunks
 
 

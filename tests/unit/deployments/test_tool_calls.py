@@ -16,8 +16,8 @@ from app.engine_core import LocalEngine
 from app.errors import InvalidRequestError
 from app.messages import FinishReason
 from app.output import StreamDelta
-from app.protocol import ChatCompletionRequest, Endpoint
 from app.tools import ToolMode
+from deployments.protocol import ChatCompletionRequest, Endpoint
 from deployments.responses import completion_body, stream_chunks
 
 WEATHER = {"type": "function", "function": {
