@@ -33,7 +33,7 @@ from app.errors import (
     PayloadTooLargeError,
 )
 from deployments.bodies import ErrorResponse, error_body
-from deployments.split_path import unwrap_error
+from deployments.retries import unwrap_error
 
 T = TypeVar("T")
 

@@ -218,6 +218,9 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
 
+GenerationRequest = ChatCompletionRequest | CompletionRequest
+
+
 # ---- endpoints --------------------------------------------------------------------------
 
 

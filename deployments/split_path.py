@@ -14,42 +14,15 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
-from ray import serve
 
-from app.errors import ReplicaUnhealthyError, RequestTimeoutError, ServiceUnavailableError
+from app.errors import RequestTimeoutError
 from app.messages import PrefillRequest, StreamStart, TokenEvent
 from app.output import GenerationFailed
 from deployments.kv_budget import KVBudget, Reservation
 from deployments.request_trace import RequestTrace
+from deployments.retries import is_retryable, resume_request, unwrap_error
 
 logger = logging.getLogger(__name__)
-
-# A replica, its worker or its node went away, or the KV object was lost with them: the
-# request can be re-run elsewhere (docs/architecture.md, failure policy).
-RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (
-    ray.exceptions.RayActorError,  # ActorDiedError, ActorUnavailableError
-    ray.exceptions.ObjectLostError,  # OwnerDiedError, ObjectReconstructionFailedError...
-    ray.exceptions.WorkerCrashedError,
-    ray.exceptions.NodeDiedError,
-    serve.exceptions.DeploymentUnavailableError,
-    ReplicaUnhealthyError,  # a decode replica found itself wedged and gave up its streams
-)
-
-
-def unwrap_error(exc: BaseException) -> BaseException:
-    """The engine error inside a Ray task error, if there is one; Serve's back-pressure as
-    the 503 it means."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
-        return cause
-    if isinstance(exc, serve.exceptions.BackPressureError):
-        return ServiceUnavailableError(f"a phase is at capacity: {exc}", retry_after_s=1.0,
-                                       code="backpressure")
-    return exc
-
-
-def is_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, RETRYABLE_ERRORS) or isinstance(unwrap_error(exc), RETRYABLE_ERRORS)
 
 
 def kv_object_locations(ref: ray.ObjectRef) -> tuple[list[str], int | None]:
@@ -70,17 +43,6 @@ async def _answers_ping(handle: Any, timeout_s: float) -> bool:
         return True
     except Exception:
         return False
-
-
-def resume_request(preq: PrefillRequest, delivered: list[int], attempt: int) -> PrefillRequest:
-    """The request that continues ``preq`` after ``delivered`` tokens: the prompt plus those
-    tokens, sampling continuing at the same output index."""
-    return PrefillRequest(
-        f"{preq.request_id}-retry{attempt}",
-        preq.prompt_token_ids + tuple(delivered),
-        dataclasses.replace(preq.sampling, max_tokens=preq.sampling.max_tokens - len(delivered)),
-        output_offset=preq.output_offset + len(delivered),
-    )
 
 
 def choice_request(preq: PrefillRequest, k: int) -> PrefillRequest:
