@@ -13,7 +13,7 @@ here (2026-12-02, SmolLM2-135M, the 30 layers' linears, weights from memory), on
 two threads: 23 / 33 ms against oneDNN's 58 / 70.
 
 The decode attention reads each row's keys and values in place from its blocks
-(``app.paged_attention``), where torch needed a gathered copy per layer and an SDPA call that
+(``app.attention``), where torch needed a gathered copy per layer and an SDPA call that
 costs about 0.35 ms for 8 rows of 64 positions.
 
 The panels may hold float32, bf16 or int8 weights (``panel_body.h``, compiled once per

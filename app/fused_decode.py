@@ -27,10 +27,10 @@ import ctypes
 
 import torch
 
+from app.attention import PagedDecodeStep
 from app.cpu_kernels import WTYPES, assert_kernel_tensors, check, load_kernel
 from app.kv_cache import PagedKVCache
 from app.packed_linear import PanelLinear
-from app.paged_attention import PagedDecodeStep
 
 # decoder layer classes whose forward is the one decode_step.c computes
 LLAMA_STYLE_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})

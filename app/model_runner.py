@@ -7,7 +7,7 @@ norm, LM head) so the arithmetic is the model's, while KV storage is the runner'
   and values come back as one contiguous ``[layers, 2, kv_heads, seq, head_dim]`` tensor.
 * ``decode``: one token for each running sequence, over the paged KV pool
   (``app.kv_cache``): each new key/value is written into its sequence's next slot and each
-  row attends only its own blocks (``app.paged_attention``). A Llama-style model with
+  row attends only its own blocks (``app.attention``). A Llama-style model with
   panel-packed linears runs the step's layers as one call to the fused kernel
   (``app.fused_decode``) instead of its modules.
 * ``forward_mixed``: both in one pass (the colocated engine's mixed batch): the decode rows'
@@ -32,13 +32,7 @@ from typing import TypeVar
 
 import torch
 
-from app.config import EngineConfig, dtype_name
-from app.fused_decode import FusedDecode, fused_decode_unavailable
-from app.kv_cache import PagedKVCache, layer_spans
-from app.kv_package import KVLayout
-from app.model_loader import ModelShape, check_architecture
-from app.packed_linear import weight_kind
-from app.paged_attention import (
+from app.attention import (
     PAGED_ATTENTION,
     MixedCacheView,
     MixedStep,
@@ -49,6 +43,12 @@ from app.paged_attention import (
     prefill_attention_unavailable,
     serving_sdpa_backends,
 )
+from app.config import EngineConfig, dtype_name
+from app.fused_decode import FusedDecode, fused_decode_unavailable
+from app.kv_cache import PagedKVCache, layer_spans
+from app.kv_package import KVLayout
+from app.model_loader import ModelShape, check_architecture
+from app.packed_linear import weight_kind
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class ModelRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # One forward pass at a time: prefill and decode share the cores of this process.
         self.lock = threading.Lock()
-        # Decode steps attend over the paged pool (app.paged_attention); every other pass
+        # Decode steps attend over the paged pool (app.attention); every other pass
         # (prefill) is the model's SDPA through the same registered function.
         model.set_attn_implementation(PAGED_ATTENTION)
         sdpa_note = serving_sdpa_backends([span.device for span in self.spans])
@@ -343,7 +343,7 @@ class ModelRunner:
         ``positions``; none is allowed), the chunks and ``past`` those of
         :meth:`forward_prefill`. All tokens go through the model as one ``[1, T]`` sequence
         (decode rows first, then each chunk), so each linear layer runs once over every
-        token; only attention is per group (``app.paged_attention.MixedStep``).
+        token; only attention is per group (``app.attention.MixedStep``).
 
         Returns the decode rows' logits [B, V], each chunk's logits at its last token
         [C, V] (float32) and each chunk's KV ``[layers, 2, kv_heads, len_i, head_dim]``

@@ -127,10 +127,10 @@ def test_bad_arguments_get_a_status_never_a_crash():
 def test_a_fused_step_with_a_slot_outside_the_pool_raises_and_writes_nothing(corrupt):
     import torch
 
+    from app.attention import PagedDecodeStep
     from app.config import EngineConfig
     from app.model_runner import ModelRunner
     from app.packed_linear import pack_linears
-    from app.paged_attention import PagedDecodeStep
     from tests.conftest import make_tiny_model
 
     model = make_tiny_model()

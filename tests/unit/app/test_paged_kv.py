@@ -9,6 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from app.attention import (
+    PagedCacheView,
+    PagedDecodeStep,
+    inplace_attention_unavailable,
+    paged_attention,
+)
 from app.config import EngineConfig
 from app.cpu_kernels import kernel_unavailable
 from app.decode import Decoder
@@ -17,12 +23,6 @@ from app.kv_cache import BlockAllocator, LayerSpan, PagedKVCache
 from app.kv_package import KVLayout
 from app.messages import FinishReason, PrefillRequest
 from app.packed_linear import pack_linears
-from app.paged_attention import (
-    PagedCacheView,
-    PagedDecodeStep,
-    inplace_attention_unavailable,
-    paged_attention,
-)
 from app.sampling import SamplingParams
 from app.sequence import Sequence
 from tests.conftest import hf_greedy, make_tiny_model

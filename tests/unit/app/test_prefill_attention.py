@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from app import cpu_kernels
+from app.attention import _kernel_prefill_attention, prefill_attention_unavailable
 from app.config import EngineConfig
 from app.model_runner import ModelRunner
-from app.paged_attention import _kernel_prefill_attention, prefill_attention_unavailable
 from tests.conftest import make_tiny_model
 
 _REASON = cpu_kernels.cpu_unsupported() or cpu_kernels.kernel_unavailable()
@@ -158,7 +158,7 @@ def test_where_the_kernel_does_not_apply_it_says_why():
 def test_cudnn_attention_is_turned_off_only_for_a_cuda_runner():
     """cuDNN plans each new shape (decode's key length changes every step): a runner on a
     CUDA device turns it off for its process; a CPU runner leaves torch's settings alone."""
-    from app.paged_attention import serving_sdpa_backends
+    from app.attention import serving_sdpa_backends
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

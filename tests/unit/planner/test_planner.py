@@ -420,9 +420,9 @@ def test_gather_rule_is_the_engines(lengths):
     (``PagedDecodeStep.build``) over rows of ``lengths`` positions."""
     import torch
 
+    from app.attention import _EXACT_OVER_PADDED, PagedDecodeStep
     from app.kv_cache import DEFAULT_BLOCK_SIZE, LayerSpan, PagedKVCache, contiguous_tables
     from app.kv_package import KVLayout
-    from app.paged_attention import _EXACT_OVER_PADDED, PagedDecodeStep
     from planner.simulator import (
         EXACT_OVER_PADDED,
         KV_BLOCK_TOKENS,

@@ -1,4 +1,7 @@
-"""Decode attention over block tables: every row attends exactly its own positions.
+"""The engine's attention, for every kind of pass: decode attention over the paged pool's
+block tables (every row attends exactly its own positions), prefill attention (the engine's
+CPU kernel through :class:`PrefillSpan`, else the model's SDPA) and the mixed pass's
+attention (:class:`MixedStep`: decode rows and prompt chunks in one pass).
 
 A decode step gathers each running sequence's keys and values from its own blocks and attends
 every row in one SDPA call per layer, in one of two layouts chosen per step:
