@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 class PrefillSource(Protocol):
     """Prompts waiting for prefill on the decode loop's own engine (mixed batching: the
-    colocated app's ``deployments.prefill_queue.PrefillQueue``). Called on the event loop, between
+    colocated app's ``app.prefill_queue.PrefillQueue``). Called on the event loop, between
     steps."""
 
     def take_chunks(self, decode_rows: int) -> ChunkPlan | None:

@@ -25,18 +25,18 @@ Which prompts share a pass (``Prefiller.plan_pass``):
 * preemption between layers: a server runs a pass ``prefill_preempt_layers`` layers at a
   time (``start_pass``, ``advance``), and a prompt that arrived meanwhile needing at most
   half the pass's tokens gets a pass of its own before the rest
-  (``deployments.prefill_queue.PrefillQueue``): a chat waits for a few layers of a document's
+  (``app.prefill_queue.PrefillQueue``): a chat waits for a few layers of a document's
   chunk, not the whole chunk.
 
 Threads: a pass runs on the engine's ``num_threads``, or, with ``prefill_max_threads``, on as
 many more as the rest of the machine leaves cores idle (``app.idle_cores``: where the phases
 share one machine, the decode replica's core while no stream runs). With ``prefill_lanes``,
 a prefill replica runs several passes at once instead, each on a thread of its own
-(``deployments.prefill_queue.PrefillQueue``, ``advance(..., alone=False)``).
+(``app.prefill_queue.PrefillQueue``, ``advance(..., alone=False)``).
 
 ``make_packages`` runs a list of prompts to completion (tests, benchmarks, the local
 engine); a server drives ``new_job`` / ``plan_pass`` / ``run_pass`` itself so that prompts
-arriving between passes join the queue (``deployments.prefill_queue.PrefillQueue``).
+arriving between passes join the queue (``app.prefill_queue.PrefillQueue``).
 
 Mixed batching (``mixed_batch``, the colocated engine): while sequences are decoding,
 ``plan_chunks`` picks the chunks that ride along in the next decode step

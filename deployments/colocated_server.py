@@ -29,8 +29,8 @@ from ray import serve
 
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest, StreamStart, TokenEvent
+from app.prefill_queue import PrefillQueue
 from deployments.metrics import PrefillMetrics
-from deployments.prefill_queue import PrefillQueue
 from deployments.replica import DecodeReplica
 
 

@@ -10,9 +10,9 @@ from ray import serve
 
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest, StreamStart
+from app.prefill_queue import PrefillQueue
 from deployments import autoscaling
 from deployments.metrics import PrefillMetrics
-from deployments.prefill_queue import PrefillQueue
 from deployments.replica import DecodeReplica
 
 

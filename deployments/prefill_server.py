@@ -14,10 +14,10 @@ from ray import serve
 from app.engine_core import EngineCore
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest
+from app.prefill_queue import PrefillQueue
 from deployments import autoscaling
 from deployments.args import AppArgs
 from deployments.metrics import KernelMetrics, PrefillMetrics
-from deployments.prefill_queue import PrefillQueue
 from deployments.replica import (
     current_replica_id,
     deployed_autoscaling_config,

@@ -1,5 +1,5 @@
 """What the phase servers share: the decode stream, and the replica's identity, health check
-and fault injection (the prefill queue: ``deployments.prefill_queue``)."""
+and fault injection (the prefill queue: ``app.prefill_queue``)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from app.errors import ReplicaUnhealthyError
 from app.kv_package import KVPackage
 from app.messages import StreamStart
 from app.model_loader import load_tokenizer
+from app.prefill_queue import _stall
 from deployments.args import AppArgs
 from deployments.metrics import DecodeMetrics, KernelMetrics
-from deployments.prefill_queue import _stall
 
 logger = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from app.config import DEFAULT_MODEL, EngineConfig
 from app.engine_core import EngineCore
 from app.messages import PrefillRequest
 from app.prefill import Prefiller
+from app.prefill_queue import PrefillQueue
 from app.prefix_cache import PrefixCache
 from app.sampling import SamplingParams
 from deployments.metrics import PrefillMetrics
-from deployments.prefill_queue import PrefillQueue
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 

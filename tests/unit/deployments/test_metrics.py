@@ -16,11 +16,11 @@ from app.config import EngineConfig
 from app.engine_core import EngineCore
 from app.errors import ModelNotFoundError, QueueFullError
 from app.messages import FinishReason, PrefillRequest, StreamStart, TokenEvent
+from app.prefill_queue import PrefillQueue
 from app.sampling import SamplingParams
 from deployments import metrics
 from deployments.decode_server import DecodeServer
 from deployments.ingress import Ingress
-from deployments.prefill_queue import PrefillQueue
 from deployments.protocol import ChatCompletionRequest, Endpoint
 from deployments.replica import DecodeReplica
 from deployments.request_trace import RequestTrace, TraceHistory

@@ -13,9 +13,9 @@ import pytest
 from app.config import EngineConfig
 from app.engine_core import EngineCore
 from app.messages import PrefillRequest
+from app.prefill_queue import PrefillQueue
 from app.sampling import SamplingParams
 from deployments.metrics import PrefillMetrics
-from deployments.prefill_queue import PrefillQueue
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
@@ -71,7 +71,7 @@ async def test_a_second_stall_moves_the_end_instead_of_queueing_another(tiny_mod
     import threading
     import time
 
-    from deployments.prefill_queue import _STALL_ENDS, _stall
+    from app.prefill_queue import _STALL_ENDS, _stall
 
     core = EngineCore(EngineConfig(), model=tiny_model)
     _stall(core, 0.3)
@@ -186,7 +186,7 @@ async def test_an_injected_stall_holds_every_lane(tiny_model):
     take: they wait for the stall's end too, so a stalled replica computes nothing."""
     import time
 
-    from deployments.prefill_queue import _stall
+    from app.prefill_queue import _stall
 
     queue = _queue(tiny_model, lanes=2, prefix_cache_mb=0, prefill_chunk_tokens=16)
     started = time.monotonic()

@@ -1,6 +1,7 @@
-"""A prefill replica's queue of prompts and the passes that compute them (prefill lanes,
+"""A prefill engine's queue of prompts and the passes that compute them (prefill lanes,
 preemption for short prompts, mixed batching's chunks), with the fault-injection stall that
-holds an engine's passes."""
+holds an engine's passes. No Ray: the phase deployments hold one each (a prefill replica, the
+colocated server) and give it their metrics (``PassMetrics``, ``deployments.metrics``)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,34 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from app.decode_loop import DecodeLoop
 from app.engine_core import EngineCore
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest
 from app.prefill import ChunkPlan, PrefillJob
-from deployments.metrics import PrefillMetrics
+from app.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
+
+
+class _Histogram(Protocol):
+    def observe(self, value: float) -> None: ...
+
+
+class PassMetrics(Protocol):
+    """What the queue records (``deployments.metrics.PrefillMetrics`` on a replica): each
+    pass's prompts, tokens, seconds and packages, what waits, the prefix cache."""
+
+    batch_size: _Histogram
+    batch_tokens: _Histogram
+    compute: _Histogram
+    kv_bytes: _Histogram
+
+    def record_waiting(self, tokens: int, requests: int) -> None: ...
+
+    def record_prefix_cache(self, cache: PrefixCache) -> None: ...
 
 
 # Stalls in force, by engine: when each ends. A second stall of a stalled engine moves its
@@ -68,7 +88,7 @@ class PrefillQueue:
     the step computed (``chunks_done``). With nothing decoding, it runs its passes again.
     """
 
-    def __init__(self, core: EngineCore, wait_s: float, metrics: PrefillMetrics,
+    def __init__(self, core: EngineCore, wait_s: float, metrics: PassMetrics,
                  on_batch: Callable[[int, int, float], None] | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), lanes: int = 1) -> None:
         self.core = core
