@@ -132,7 +132,10 @@ class ModelRunner:
         # transformers renamed the layers' cache argument; pass it under whichever name it has.
         params = inspect.signature(self.layers[0].forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        # One forward pass at a time: prefill and decode share the cores of this process.
+        # Held by every pass but those of a prefill replica's lanes that run side by side
+        # (Prefiller.advance(alone=False): an extra lane's, lane 0's while another lane has
+        # one): decode, mixed and other prefill passes run one at a time, as they share the
+        # cores of this process and the paged pool.
         self.lock = threading.Lock()
         # Decode steps attend over the paged pool (app.attention); every other pass
         # (prefill) is the model's SDPA through the same registered function.
@@ -236,7 +239,10 @@ class ModelRunner:
         layers done), so that a pass can pause between layers for another (a short prompt
         that should not wait for a long one's whole pass) and resume; its result is the
         generator's return value. Passes paused at once share nothing but the model. The
-        caller holds the runner's lock while it advances one (:meth:`forward_prefill`).
+        caller holds the runner's lock while it advances one (:meth:`forward_prefill`,
+        ``Prefiller.advance``), except a prefill replica's lanes running passes side by side
+        (``Prefiller.advance(alone=False)``): those run at the same time, each over its own
+        rows, reading the same weights.
 
         ``past[i]``, when given and not None, is the KV of the positions before ``prompts[i]``
         (``[layers, 2, kv_heads, P_i, head_dim]``: a cached prefix, earlier chunks): row ``i``
