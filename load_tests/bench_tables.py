@@ -63,11 +63,17 @@ def gen_peer_rounds(args: list[str], base: Path) -> str:
     ap.add_argument("--servers", nargs="+", default=peer_rounds.SERVERS)
     ap.add_argument("--figure", action="append", default=[])
     ns = ap.parse_args(args)
-    rounds = [p for r in ns.rounds
-              for p in (sorted(base.glob(r)) if any(c in r for c in "*?[") else [base / r])]
-    missing = [str(r) for r in rounds if not r.is_dir()]
-    if missing:
-        raise BlockError(f"peer_rounds: no such round folder: {', '.join(missing)}")
+    rounds: list[Path] = []
+    for r in ns.rounds:
+        if any(c in r for c in "*?["):
+            found = [p for p in sorted(base.glob(r)) if p.is_dir()]
+            if not found:
+                raise BlockError(f"peer_rounds: no round folder matches {r}")
+            rounds += found
+        elif (base / r).is_dir():
+            rounds.append(base / r)
+        else:
+            raise BlockError(f"peer_rounds: no such round folder: {base / r}")
     try:
         figures = peer_rounds.with_figures(ns.figure)
     except ValueError as exc:

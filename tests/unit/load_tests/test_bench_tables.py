@@ -67,6 +67,7 @@ def test_rewrite_check_and_errors(tmp_path, capsys):
 
     for bad in ("<!-- generated: nosuch x -->\n<!-- /generated -->\n",
                 "<!-- generated: peer_rounds results/missing -->\n<!-- /generated -->\n",
+                "<!-- generated: peer_rounds results/none* -->\n<!-- /generated -->\n",
                 "<!-- generated: peer_rounds results/r1 -->\n| never closed |\n"):
         doc.write_text(bad)
         assert bench_tables.main(["--check", "--file", str(doc)]) == 2
