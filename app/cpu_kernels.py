@@ -4,26 +4,23 @@ every linear layer (``panel_gemm.c``), decode attention over the paged KV pool
 (``decode_step.c``, ``app.fused_decode``).
 
 A decode step is a few hundred products of a handful of rows against weights that come from
-memory. MKL's GEMV streams this model's 576-wide weights at about half the rate one long GEMV
-does, and its sgemm at 8 rows costs about 3x its one-row time, so a batch of streams paid for
-the weights several times over. The kernel in ``csrc/panel_gemm.c`` reads each weight once per
-product whatever the batch (see that file's header for the layout and threading). Measured
-here (2026-12-02, SmolLM2-135M, the 30 layers' linears, weights from memory), one thread:
-39 ms at 1 row, 46-50 ms at 8 rows against MKL's 52-55 / 98 ms and oneDNN's 61-71 / 86-94;
-two threads: 23 / 33 ms against oneDNN's 58 / 70.
+memory. MKL's GEMV streams this model's narrow weights well below the rate of one long GEMV,
+and its sgemm's time grows with the rows, so a batch of streams paid for the weights several
+times over. The kernel in ``csrc/panel_gemm.c`` reads each weight once per product whatever
+the batch (see that file's header for the layout and threading); its step times against MKL's
+and oneDNN's are in BENCHMARKS.md §1, "The fused decode step and the kernels behind it".
 
 The decode attention reads each row's keys and values in place from its blocks
-(``app.attention``), where torch needed a gathered copy per layer and an SDPA call that
-costs about 0.35 ms for 8 rows of 64 positions.
+(``app.attention``), where torch needed a gathered copy and an SDPA call per layer.
 
 The panels may hold float32, bf16 or int8 weights (``panel_body.h``, compiled once per
 kind, widens them to float32 in registers), and on a CPU with AVX512-BF16 bf16 panels in
-pairs of k go through its bf16 dot product (``panel_bf16dp.c``): SmolLM2's 1,024-token
-prefill 2.9 -> 1.9 s and a batch-1 decode step 22 -> 12 ms on one Zen 5 core.
+pairs of k go through its bf16 dot product (``panel_bf16dp.c``), which shortens both prefill
+and decode steps (BENCHMARKS.md §1, "bf16 and int8 weights").
 
 They are plain C with AVX2 and FMA intrinsics. The panel kernel also has AVX-512 tiles, chosen
 at run time where the CPU has AVX-512: products of four rows or more, a prefill's included,
-run about 1.5-1.9x faster on a Zen 5 core, bit for bit the same. Prefill attention
+run faster there (BENCHMARKS.md §1), bit for bit the same. Prefill attention
 (``prefill_attention.c``) takes the same choice: zmm where the CPU has AVX-512, else the
 same panels and blocks in ymm halves.
 They are compiled here with the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or

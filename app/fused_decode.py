@@ -2,11 +2,12 @@
 
 Through the model's own modules a decode step of SmolLM2-135M is about a thousand torch
 operations (30 layers of norms, products, rotary embedding, the KV write, attention, SiLU and
-residual adds, most on a few hundred floats), each paying torch's dispatch. On the one core of
-the split's decode replica that cost ~15 ms of a 55 ms step at batch 1 after the products had
-their own kernel. :class:`FusedDecode` runs the whole stack, final norm and LM head included,
-as one C call over the same weights (the panels ``app.packed_linear`` made) and the same paged
-pool, so a step costs its arithmetic and its memory traffic.
+residual adds, most on a few hundred floats), each paying torch's dispatch: on the one core of
+the split's decode replica, a large share of a batch-1 step even after the products had their
+own kernel (BENCHMARKS.md §1, "The fused decode step and the kernels behind it").
+:class:`FusedDecode` runs the whole stack, final norm and LM head included, as one C call
+over the same weights (the panels ``app.packed_linear`` made) and the same paged pool, so a
+step costs its arithmetic and its memory traffic.
 
 It serves Llama-style decoders (Llama, Mistral, Qwen2: pre-norm RMSNorm layers, rotary
 attention with grouped KV heads, a SiLU-gated MLP) whose linears are panel-packed and whose

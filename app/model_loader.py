@@ -362,8 +362,9 @@ class ModelFingerprint:
 def weights_digest(model: torch.nn.Module, sample: int = 4096) -> str:
     """A digest over every parameter's name, shape and a strided sample of its values.
 
-    Hashing all weights would cost about a second per GB; a strided sample of each tensor
-    (plus exact shapes) tells apart checkpoints, fine-tunes and dtypes at a fraction of that.
+    Hashing all weights would take time in proportion to the model's bytes; a strided sample
+    of each tensor (plus exact shapes) tells apart checkpoints, fine-tunes and dtypes at a
+    fraction of that.
     """
     h = hashlib.sha256()
     for name, param in model.state_dict().items():

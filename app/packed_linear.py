@@ -12,9 +12,8 @@ handful of rows, and the weights come from memory every step. Two layouts:
 - ``panels`` (the default where it builds: x86-64 with AVX2 and FMA and a C compiler): the
   engine's own kernel, ``app/csrc/panel_gemm.c`` via ``app.cpu_kernels``, over the weight
   copied into strips of 16 output columns. It reads the weights once per product whatever
-  the rows. On SmolLM2-135M, one thread, the 30 layers' linears took 39 ms at 1 row and
-  46-50 ms at 8 rows against MKL's 52-55 and 98 ms and oneDNN's 61-71 and 86-94 ms; at 256
-  rows (a prefill chunk) 789 ms against oneDNN's 876 (``load_tests/decode_bench.py`` reports
+  the rows, and beats MKL and oneDNN at one row and at a batch's (BENCHMARKS.md §1,
+  "The fused decode step and the kernels behind it"; ``load_tests/decode_bench.py`` reports
   the step). Every row is computed alone, one running sum per output, so a row's result is
   bit for bit the same in any batch.
 - ``onednn``: oneDNN's linear over the weight reordered into its blocked layout (what
@@ -24,7 +23,7 @@ handful of rows, and the weights come from memory every step. Two layouts:
 Either way the copy doubles the linear weights' memory (the model's own ``weight`` stays, for
 state dicts, fingerprints and tied embeddings); ``EngineConfig.pack_weights = False`` turns it
 off. Sums run in a different order than MKL's, so logits differ from the plain model's in the
-last bits (about 1e-3 on SmolLM2's); the greedy tokens of the test prompts are the same
+last bits; the greedy tokens of the test prompts are the same
 (``tests/unit/app/test_packed_linear.py``). A copy is made once at load: a weight changed
 afterwards is not seen.
 """

@@ -19,9 +19,10 @@ Which prompts share a pass (``Prefiller.plan_pass``):
   long pass: a prompt that arrives waits for at most one pass of that size;
 * a pass takes no more prompts once it holds ``prefill_batch_tokens`` (when set): each
   prompt in a pass waits for all of it, and where a pass of that many tokens already
-  computes about as fast per token as a longer one (a CPU: 64-128), a wave of eight chats is
-  answered two at a time, the first after a quarter of the wave's compute, not all of them
-  after the whole of it;
+  computes about as fast per token as a longer one (on a CPU, the setting of
+  ``serve_configs/local.yaml``: BENCHMARKS.md §4), a wave of eight chats is answered two at a
+  time, the first after a quarter of the wave's compute, not all of them after the whole of
+  it;
 * preemption between layers: a server runs a pass ``prefill_preempt_layers`` layers at a
   time (``start_pass``, ``advance``), and a prompt that arrived meanwhile needing at most
   half the pass's tokens gets a pass of its own before the rest

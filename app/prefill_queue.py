@@ -211,7 +211,7 @@ class PrefillQueue:
         runs beside the first's instead of after it. The extra lanes take long prompts
         only (at least half a chunk left): short ones, which each wait for their whole pass,
         finish sooner one pass after another at full speed than two at once on shared cores
-        (W-chat's TTFT p50 rose from 0.75-0.87 s to 1.17 s when chats took them too), so
+        (chats' TTFT rose when they took them too: BENCHMARKS.md, "Tried, not kept"), so
         they go to lane 0, or wait there for a pause between layers (``_pass``)."""
         layers = self.core.config.prefill_preempt_layers or None
         while True:

@@ -4,8 +4,8 @@ strings, a grammar) turned into a token mask on the logits of the rows that ask 
 The grammar engine is llguidance (``pip install llguidance``: one self-contained wheel, no
 further dependencies; vLLM and SGLang ship it as a backend beside xgrammar, which on Linux
 pulls in triton, a GPU compiler this CPU-first engine does not otherwise need). It compiles
-lazily, so a new schema costs about a millisecond before its first mask, and it computes a
-row's mask in tens of microseconds.
+lazily, so a new schema costs little before its first mask, and a row's mask is cheap beside a
+decode step (BENCHMARKS.md §9, "Structured outputs").
 
 A constraint travels inside :class:`~app.sampling.SamplingParams` (plain strings: nothing
 is pickled from a client), so both phases see it: the prefill replica masks the first token,
@@ -91,9 +91,10 @@ def _compile(kind: str, spec: str, param: str) -> str:
 
 class Grammars:
     """One replica's grammar side: its tokenizer as llguidance sees it (loaded and converted
-    on the first constrained answer, about 0.4 s for a 49k vocabulary, on the engine's
-    thread) and a matcher per constrained answer. The end of an answer is the engine's EOS
-    (the tokenizer's own where it is one of the engine's, else the lowest of them)."""
+    once: in the replica's constructor, ``warm``, else on the first constrained answer, on
+    the engine's thread) and a matcher per constrained answer. The end of an answer is the
+    engine's EOS (the tokenizer's own where it is one of the engine's, else the lowest of
+    them)."""
 
     def __init__(self, load_tokenizer: Callable[[], Any]) -> None:
         self._load = load_tokenizer
@@ -104,9 +105,9 @@ class Grammars:
     def warm(self, eos_token_ids: frozenset[int]) -> None:
         """Convert the tokenizer now: a replica does it in its constructor, before it takes
         requests, so the first constrained answer does not hold the engine's thread for it.
-        (Not on a thread of its own once serving: the conversion holds the GIL for most of
-        a second, and a replica that stalls its event loop that long just after starting
-        is routed around: the autoscaling tests saw it.)"""
+        (Not on a thread of its own once serving: the conversion holds the GIL, and a
+        replica that stalls its event loop that long just after starting is routed around:
+        the autoscaling tests saw it.)"""
         self._ll_tokenizer(eos_token_ids)
 
     def _ll_tokenizer(self, eos_token_ids: frozenset[int]) -> Any:
