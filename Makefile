@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.splitserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit test-kernels-asan run run-colocated generate lint bench
+.PHONY: setup test test-unit test-kernels-asan run run-colocated generate lint bench bench-peers
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,3 +52,8 @@ lint: setup
 
 bench: setup
 	$(PY) -m load_tests.engine_bench
+
+# This app beside vLLM-CPU, interleaved and repeated (load_tests/bench_peers.sh says what it
+# runs); PEER: a folder where the peer's setup.sh installed vLLM (not a project dependency).
+bench-peers: setup
+	load_tests/bench_peers.sh

@@ -31,7 +31,12 @@
 # configs' http_options.port), APP_MODEL (smollm2-135m-instruct, the model id the app
 # serves), VLLM_ARGS (extra `vllm serve` arguments, e.g. "--dtype bfloat16"),
 # VLLM_READY_TIMEOUT (1800 s: vLLM's first start compiles, 2-6 min on an idle machine, far
-# longer on a loaded one), BENCH_TIMEOUT (1800 s per client run), PY (.venv/bin/python).
+# longer on a loaded one), BENCH_TIMEOUT (1800 s per client run), PY (.venv/bin/python),
+# VLLM_LABEL (vllm: the name vLLM's result files carry, e.g. vllm-matched for a second vLLM
+# configuration in the same folder), SKIP_FLOOR (1: no decode_bench run; load_tests/
+# bench_peers.sh measures the read bandwidth instead). Several runs may share one OUT: each
+# appends to its run-info.txt. `make bench-peers` (load_tests/bench_peers.sh) runs this script
+# in interleaved, rotated rounds.
 #
 # Results: $OUT/<server>_<workload>.json (vllm bench serve's saved result, with per-request
 # detail), $OUT/logs/ (server and client logs), $OUT/warmup/ (the untimed warm-up runs).
@@ -104,7 +109,7 @@ answers "http://127.0.0.1:$APP_PORT/v1/models" && die "something already answers
   echo "workloads: ${workloads[*]}"
   echo "cpus: $(nproc)"
   echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
-} | tee "$OUT/run-info.txt"
+} | tee -a "$OUT/run-info.txt"
 
 # ---- stopping what we started ----
 VLLM_PID=
@@ -198,7 +203,8 @@ run_vllm() {
     sleep 2
   done
   echo "   ready after $((SECONDS - t0)) s" | tee -a "$OUT/run-info.txt"
-  measure vllm "$VLLM_PORT" smollm2
+  echo "   vllm serve arguments: ${VLLM_ARGS:-} (label ${VLLM_LABEL:-vllm})" >>"$OUT/run-info.txt"
+  measure "${VLLM_LABEL:-vllm}" "$VLLM_PORT" smollm2
   echo "== vllm: stopping"
   stop_vllm
 }
@@ -220,6 +226,7 @@ run_app() {
     failed+=("$server start"); tail -20 "$OUT/logs/$cfg-serve.log" >&2; serve_shutdown; return 0
   fi
   echo "   ready after $((SECONDS - t0)) s" | tee -a "$OUT/run-info.txt"
+  echo "   serve config: ${SERVE_CONFIG_DIR:-serve_configs}/$cfg.yaml" >>"$OUT/run-info.txt"
   measure "$server" "$APP_PORT" "$APP_MODEL"
   echo "== $server: stopping"
   serve_shutdown
@@ -227,7 +234,7 @@ run_app() {
 
 # the floor a decode step stands against (one GEMV over the model's weight bytes on the decode
 # replica's one thread) and the engine's own step, in the same run as the servers
-if [ -x "$PY" ]; then
+if [ -x "$PY" ] && [ "${SKIP_FLOOR:-0}" != 1 ]; then
   echo "== decode step against the floor (load_tests/decode_bench.py, one thread)"
   "$PY" -m load_tests.decode_bench --variants float32+packed --rounds 3 --steps 6 --no-join \
     --json "$OUT/decode_bench.json" 2>/dev/null | tee "$OUT/decode_bench.txt" \

