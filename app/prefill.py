@@ -59,13 +59,11 @@ from app.idle_cores import IdleCores
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest
 from app.model_runner import ModelRunner
+from app.prefill_policy import PrefillPolicy
 from app.prefix_cache import PrefixCache
 from app.sampling import SamplingParams, TokenLogprobs, sample_tokens, token_logprobs
 from app.sequence import validate_prompt
 from app.structured import GrammarMatcher, Grammars
-
-# Padding may add at most this fraction of a pass's real tokens.
-MAX_PADDING = 0.25
 
 
 @dataclass(eq=False)
@@ -151,12 +149,9 @@ class Prefiller:
         self.prefix_cache = prefix_cache
         self.eos_token_ids = eos_token_ids  # masked from a first token under min_tokens
         cfg = runner.config
+        # which prompts and chunks each pass takes: the policy the planner's simulator runs
+        self.policy = PrefillPolicy.from_config(cfg)
         self.chunk_tokens = cfg.prefill_chunk_tokens
-        self.batch_tokens = cfg.prefill_batch_tokens  # None: no limit below chunk_tokens
-        self.token_budget = cfg.prefill_token_budget
-        self.max_rows = cfg.prefill_max_batch_size
-        self.fairness_s = cfg.prefill_fairness_s
-        self._led_by_waiting = False  # the last pass was led by an over-waited prompt
         # more threads for a pass while the machine's other cores are idle (app.idle_cores)
         base = cfg.num_threads or torch.get_num_threads()
         self.idle_cores = (IdleCores(base, max(base, cfg.prefill_max_threads))
@@ -195,81 +190,37 @@ class Prefiller:
     # ---- scheduling ------------------------------------------------------------------
 
     def chunk_of(self, job: PrefillJob) -> int:
-        return min(job.remaining, self.chunk_tokens)
+        return self.policy.chunk_of(job)
 
-    def _order(self, jobs: list[PrefillJob], now: float | None) -> list[PrefillJob]:
-        """The live jobs in the order they get into a pass: the head (the longest-waiting
-        prompt past the fairness bound every other pass, else the shortest remaining), then
-        shortest remaining first."""
+    def _head_and_order(self, jobs: list[PrefillJob], now: float | None
+                        ) -> tuple[PrefillJob | None, list[PrefillJob]]:
+        """The job that leads the next plan (``PrefillPolicy.head``) and the live jobs
+        shortest remaining first, as the policy takes them."""
         live = [j for j in jobs if not j.cancelled and j.remaining > 0]
         if not live:
-            return []
+            return None, []
         now = time.monotonic() if now is None else now
         by_remaining = sorted(live, key=lambda j: (j.remaining, j.arrived))
-        waited = [j for j in live if now - j.arrived > self.fairness_s]
-        if waited and not self._led_by_waiting:
-            head = min(waited, key=lambda j: j.arrived)
-            self._led_by_waiting = True
-        else:
-            head = by_remaining[0]
-            self._led_by_waiting = False
-        return [head, *(j for j in by_remaining if j is not head)]
+        oldest = min(live, key=lambda j: j.arrived)
+        return self.policy.head(oldest, by_remaining[0], now), by_remaining
 
     def plan_pass(self, jobs: list[PrefillJob], now: float | None = None) -> list[PrefillJob]:
-        """The jobs that share the next pass (each computes its next chunk); [] if none."""
-        order = self._order(jobs, now)
-        if not order:
-            return []
-        rows, tokens = [order[0]], self.chunk_of(order[0])
-        for job in order[1:]:
-            if len(rows) >= self.max_rows or self._full(tokens):
-                break
-            if self._fits([*rows, job]):
-                rows.append(job)
-                tokens += self.chunk_of(job)
-        return rows
-
-    def _full(self, tokens: int) -> bool:
-        """A pass (or a step's chunks) holding ``tokens`` takes no more prompts
-        (``prefill_batch_tokens``)."""
-        return self.batch_tokens is not None and tokens >= self.batch_tokens
+        """The jobs that share the next pass (each computes its next chunk); [] if none
+        (``PrefillPolicy.plan_pass``: the head, then shortest remaining first while they
+        fit)."""
+        head, order = self._head_and_order(jobs, now)
+        return [] if head is None else self.policy.plan_pass(head, order)
 
     def plan_chunks(self, jobs: list[PrefillJob], decode_rows: int,
                     now: float | None = None) -> ChunkPlan | None:
         """The prompt chunks that join a decode step of ``decode_rows`` rows in one mixed
-        pass (``ModelRunner.forward_mixed``); None if no job has tokens left.
-
-        The pass computes at most ``min(prefill_token_budget, prefill_chunk_tokens)``
-        tokens, decode rows included, but its chunks always get at least a quarter of that,
-        so a full decode batch never starves the prompts. Jobs come in ``plan_pass``'s order
-        (fairness, then shortest remaining first), each taking up to
-        ``prefill_chunk_tokens`` of what is left, until the chunks hold
-        ``prefill_batch_tokens`` (when set); chunks are laid end to end, not padded, so rows
-        of any lengths share the pass."""
-        order = self._order(jobs, now)
-        if not order:
+        pass (``ModelRunner.forward_mixed``; ``PrefillPolicy.plan_chunks`` says which); None
+        if no job has tokens left."""
+        head, order = self._head_and_order(jobs, now)
+        if head is None:
             return None
-        budget = min(self.token_budget, self.chunk_tokens)
-        left = max(budget - decode_rows, budget // 4, 1)
-        rows: list[PrefillJob] = []
-        sizes: list[int] = []
-        for job in order:
-            if left <= 0 or len(rows) >= self.max_rows or self._full(sum(sizes)):
-                break
-            n = min(self.chunk_of(job), left)
-            rows.append(job)
-            sizes.append(n)
-            left -= n
+        rows, sizes = self.policy.plan_chunks(head, order, decode_rows)
         return ChunkPlan(self, rows, sizes)
-
-    def _fits(self, rows: list[PrefillJob]) -> bool:
-        chunks = [self.chunk_of(j) for j in rows]
-        padded = len(rows) * max(chunks)
-        if (padded > min(self.token_budget, self.chunk_tokens)
-                or padded - sum(chunks) > MAX_PADDING * sum(chunks)):
-            return False
-        pasts = [j.done for j in rows]  # a short past is padded to the longest (masked)
-        return len(rows) * max(pasts) - sum(pasts) <= self.token_budget
 
     # ---- compute ---------------------------------------------------------------------
 

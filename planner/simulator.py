@@ -122,6 +122,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from app.prefill_policy import PrefillPolicy
 from load_tests.metrics import RequestRecord, meets_slos, summarize, tpot
 from load_tests.workloads import LengthDist, arrival_gaps
 from planner.hardware import DeviceProfile
@@ -138,11 +139,6 @@ KV_LAYOUTS = ("paged", "inplace", "padded")
 # How a colocated replica shares its engine between prompts and decode steps: this app
 # (mixed_batch on, off), then the vLLM-style approximation (the module docstring).
 COLOCATED_POLICIES = ("mixed", "interleave", "chunked")
-# ``app.prefill.MAX_PADDING``: padding may add at most this fraction of a pass's real tokens.
-MAX_PADDING = 0.25
-# Prompts the planner looks at after the head of a pass: the engine scans the whole queue,
-# but past this many no row joins in practice (rows x chunk fills the pass long before).
-_PLAN_SCAN = 64
 
 # ---- workload ---------------------------------------------------------------------------
 
@@ -291,10 +287,6 @@ class EngineLimits:
         if self.kv_block_tokens < 1:
             raise ValueError("kv_block_tokens must be >= 1")
 
-    def batch_full(self, tokens: int) -> bool:
-        """A pass holding ``tokens`` takes no more prompts (``prefill_batch_tokens``)."""
-        return self.prefill_batch_tokens is not None and tokens >= self.prefill_batch_tokens
-
     @property
     def pass_tokens(self) -> int:
         """What one prefill pass computes at most: ``min(token_budget,
@@ -305,6 +297,29 @@ class EngineLimits:
     def busy_prefill_tokens(self) -> int:
         """``prefill_busy_tokens``, or one prefill pass (``AppArgs.busy_prefill_tokens``)."""
         return max(1, self.prefill_busy_tokens or self.pass_tokens)
+
+    @classmethod
+    def from_app_args(cls, args: Any, base: EngineLimits | None = None) -> EngineLimits:
+        """The bounds an app runs with: ``args`` an ``AppArgs`` (its engine settings and the
+        split's routing), over ``base`` for the simulator-only fields (KV layout, block
+        size, prefill routing). ``EngineLimits()``'s defaults are ``AppArgs()``'s (a test
+        holds them equal)."""
+        e = args.engine
+        return replace(
+            base or cls(), max_batch_size=e.max_batch_size,
+            token_budget=e.prefill_token_budget, prefill_max_rows=e.prefill_max_batch_size,
+            batch_wait_s=args.prefill_batch_wait_s, prefill_chunk_tokens=e.prefill_chunk_tokens,
+            prefill_batch_tokens=e.prefill_batch_tokens, prefill_fairness_s=e.prefill_fairness_s,
+            local_prefill_threshold=args.local_prefill_threshold,
+            local_prefill_when_busy=args.local_prefill_when_busy,
+            prefill_busy_tokens=args.prefill_busy_tokens, prefill_lanes=e.prefill_lanes)
+
+    def prefill_policy(self) -> PrefillPolicy:
+        """A replica's prefill schedule under these bounds (a fresh one: it keeps state)."""
+        return PrefillPolicy(chunk_tokens=self.prefill_chunk_tokens,
+                             token_budget=self.token_budget, max_rows=self.prefill_max_rows,
+                             batch_tokens=self.prefill_batch_tokens,
+                             fairness_s=self.prefill_fairness_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +425,10 @@ class _Req:
     def remaining(self) -> int:
         return self.arrival.input_len - self.done
 
+    @property
+    def arrived(self) -> float:  # app.prefill_policy.Job
+        return self.queued_at
+
 
 @dataclass(eq=False, slots=True)
 class _Seq:
@@ -496,18 +515,19 @@ class _Chunks:
 
 
 class _PrefillQueue:
-    """One replica's prompts waiting for prefill and the engine's planners
-    (``deployments.prefill_queue.PrefillQueue`` with ``app.prefill.Prefiller``: ``plan_pass`` for
-    a pass of its own, ``plan_chunks`` for the chunks of a mixed step)."""
+    """One replica's prompts waiting for prefill, planned by the engine's own policy
+    (``app.prefill_policy.PrefillPolicy``, which ``app.prefill.Prefiller`` calls too:
+    ``plan_pass`` for a pass of its own, ``plan_chunks`` for the chunks of a mixed step);
+    this class keeps the prompts in the policy's order as they come and go."""
 
     def __init__(self, device: DeviceProfile, limits: EngineLimits) -> None:
         self.device, self.limits = device, limits
+        self.policy = limits.prefill_policy()
         self.chunk_tokens = limits.prefill_chunk_tokens
         self.pass_tokens = limits.pass_tokens
         # live prompts by (remaining, queued_at, uid): shortest remaining first
         self._order: list[tuple[int, float, int, _Req]] = []
         self._by_age: deque[_Req] = deque()  # arrival order; finished ones dropped lazily
-        self._led_by_waiting = False
         self.idle = True  # the queue's loop sleeps: the next prompt waits batch_wait_s
         self.tokens = 0  # prompt tokens still to compute
 
@@ -525,74 +545,35 @@ class _PrefillQueue:
         self.tokens += r.remaining
 
     def chunk_of(self, r: _Req) -> int:
-        return min(r.remaining, self.chunk_tokens)
+        return self.policy.chunk_of(r)
+
+    def _candidates(self, busy: Collection[_Req]) -> Iterable[_Req]:
+        return (r for _, _, _, r in self._order if r not in busy)
 
     def _head(self, now: float, busy: Collection[_Req] = ()) -> _Req | None:
-        """The prompt that leads the next pass or step (``Prefiller._order``): every other
-        time the longest-waiting prompt once one has waited ``prefill_fairness_s``, else the
-        shortest remaining. ``busy``: prompts in a pass under way (not planned again)."""
+        """The prompt that leads the next pass or step (``PrefillPolicy.head``). ``busy``:
+        prompts in a pass under way (not planned again)."""
         while self._by_age and self._by_age[0].remaining == 0:
             self._by_age.popleft()
         oldest = next((r for r in self._by_age if r.remaining and r not in busy), None)
         if oldest is None:
             return None
-        if now - oldest.queued_at > self.limits.prefill_fairness_s and not self._led_by_waiting:
-            self._led_by_waiting = True
-            return oldest
-        self._led_by_waiting = False
-        return next(r for _, _, _, r in self._order if r not in busy)
+        return self.policy.head(oldest, next(iter(self._candidates(busy))), now)
 
     def plan(self, now: float, busy: Collection[_Req] = ()) -> list[_Req]:
-        """The prompts of the next pass (``Prefiller.plan_pass``); [] when none waits.
+        """The prompts of the next pass (``PrefillPolicy.plan_pass``); [] when none waits.
         ``busy``: prompts in a pass under way on another lane (not planned again)."""
         head = self._head(now, busy)
-        if head is None:
-            return []
-        rows, chunks, pasts = [head], [self.chunk_of(head)], [head.done]
-        for scanned, (_, _, _, r) in enumerate(self._order):
-            if (len(rows) >= self.limits.prefill_max_rows or scanned > _PLAN_SCAN
-                    or self.limits.batch_full(sum(chunks))):
-                break
-            if r is head or r in busy:
-                continue
-            c = self.chunk_of(r)
-            padded = (len(rows) + 1) * max(max(chunks), c)
-            if padded > self.pass_tokens:
-                break  # every later prompt's chunk is at least as long: none fits either
-            real = sum(chunks) + c
-            if padded - real > MAX_PADDING * real:
-                continue
-            if (len(rows) + 1) * max(max(pasts), r.done) - sum(pasts) - r.done \
-                    > self.limits.token_budget:
-                continue
-            rows.append(r)
-            chunks.append(c)
-            pasts.append(r.done)
-        return rows
+        return [] if head is None else self.policy.plan_pass(head, self._candidates(busy))
 
     def plan_chunks(self, now: float, decode_rows: int, busy: Collection[_Req] = ()) -> _Chunks:
         """The chunks that ride in a decode step of ``decode_rows`` rows
-        (``Prefiller.plan_chunks``): the step computes at most one pass's tokens, decode rows
-        included, but the chunks always get at least a quarter of that; prompts in
-        ``_head``'s order, then shortest remaining first, each up to
-        ``prefill_chunk_tokens``, at most ``prefill_max_rows`` of them, laid end to end
-        (no padding). ``busy``: prompts in a pass under way."""
+        (``PrefillPolicy.plan_chunks``). ``busy``: prompts in a pass under way."""
         head = self._head(now, busy)
         if head is None:
             return _Chunks()
-        left = max(self.pass_tokens - decode_rows, self.pass_tokens // 4, 1)
-        plan = _Chunks()
-        for r in itertools.chain((head,), (e[3] for e in self._order)):
-            if (left <= 0 or len(plan.rows) >= self.limits.prefill_max_rows
-                    or self.limits.batch_full(sum(plan.sizes))):
-                break
-            if r in busy or (r is head and plan.rows):
-                continue
-            n = min(self.chunk_of(r), left)
-            plan.rows.append(r)
-            plan.sizes.append(n)
-            left -= n
-        return plan
+        rows, sizes = self.policy.plan_chunks(head, self._candidates(busy), decode_rows)
+        return _Chunks(rows, sizes)
 
     def pass_s(self, rows: list[_Req]) -> float:
         """One pass: every row padded to the longest chunk, every past to the longest."""

@@ -9,7 +9,6 @@ threads (``cpu-2t``).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -37,16 +36,7 @@ def limits_of_app(config: str | Path, base: EngineLimits | None = None) -> Engin
     apps = (yaml.safe_load(Path(config).read_text()) or {}).get("applications") or []
     if not apps:
         raise ValueError(f"{config}: no applications")
-    args = AppArgs.model_validate(apps[0].get("args") or {})
-    e = args.engine
-    return dataclasses.replace(
-        base or EngineLimits(), max_batch_size=e.max_batch_size,
-        token_budget=e.prefill_token_budget, prefill_max_rows=e.prefill_max_batch_size,
-        batch_wait_s=args.prefill_batch_wait_s, prefill_chunk_tokens=e.prefill_chunk_tokens,
-        prefill_batch_tokens=e.prefill_batch_tokens, prefill_fairness_s=e.prefill_fairness_s,
-        local_prefill_threshold=args.local_prefill_threshold,
-        local_prefill_when_busy=args.local_prefill_when_busy,
-        prefill_busy_tokens=args.prefill_busy_tokens, prefill_lanes=e.prefill_lanes)
+    return EngineLimits.from_app_args(AppArgs.model_validate(apps[0].get("args") or {}), base)
 
 
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"))

@@ -12,7 +12,7 @@ from app.config import EngineConfig
 from app.engine_core import EngineCore
 from app.errors import ContextLengthError, InvalidRequestError
 from app.messages import PrefillRequest
-from app.prefill import MAX_PADDING
+from app.prefill_policy import MAX_PADDING
 from app.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
