@@ -159,11 +159,11 @@ class EngineConfig:
     for long prompts only, and no pass takes idle cores (prefill_max_threads) while another
     runs. Where the phases share a machine, a second document's pass takes what the decode
     replica and the serving stack leave of their core, with no OpenMP barrier between the two
-    passes' threads (deployments.prefill_queue.PrefillQueue). 1: one pass at a time."""
+    passes' threads (app.prefill_queue.PrefillQueue). 1: one pass at a time."""
     prefill_preempt_layers: int = 4
     """A prefill pass runs this many layers at a time, and between two runs a prompt that
     arrived meanwhile and needs at most half the pass's tokens gets its own pass first
-    (deployments.prefill_queue.PrefillQueue); 0: passes run whole."""
+    (app.prefill_queue.PrefillQueue); 0: passes run whole."""
     mixed_batch: bool = True
     """Where one engine both prefills and decodes (the colocated app, and short prompts kept
     on a decode replica): while sequences are decoding, prompt chunks ride in the decode

@@ -244,9 +244,7 @@ class AppArgs(BaseModel):
 
     engine: EngineConfig = Field(
         default_factory=EngineConfig, description="The engine every phase runs "
-        "(app.config.EngineConfig: model, dtype (or auto), weights, kv_dtype, device, device_map, "
-        "max_model_len, max_batch_size, max_kv_tokens, max_waiting, prefill_token_budget, "
-        "prefill_max_batch_size, prefill_chunk_tokens, mixed_batch, cache_dir). Threads and "
+        "(app.config.EngineConfig: its fields are the `engine` table below). Threads and "
         "GPUs are set per phase.")
     served_model_name: str | None = Field(
         None, description="Name clients put in 'model'; default: engine.model.")

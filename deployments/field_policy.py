@@ -1,7 +1,7 @@
 """The request field policy and the lenient base of the OpenAI request bodies
 (``deployments.protocol``; pydantic: the HTTP edge only).
 
-Field policy (``FIELD_POLICY``, the same table as README's "Request fields"), like vLLM's:
+Field policy (``FIELD_POLICY``, the same table as docs/api.md's "Request fields"), like vLLM's:
 clients (LangChain, LiteLLM, newer OpenAI SDKs) send fields that change nothing here, and a
 400 for those breaks them. So an unknown field is ignored, and reported (``ignored_fields``:
 the ingress logs it and returns it in ``X-Ignored-Fields``). A known field that this server
@@ -39,7 +39,7 @@ def _neutral(value: str) -> str:
 
 # Every field of the generation bodies: "supported" (honoured), "ignored" (any value, changes
 # nothing here) or "neutral only: <value>" (any other value is a 400 naming the field). Nested
-# fields are "parent.field". A field not listed is unknown: ignored and reported. README's
+# fields are "parent.field". A field not listed is unknown: ignored and reported. docs/api.md's
 # "Request fields" table is this one (tests/unit/deployments/test_field_policy.py).
 FIELD_POLICY: dict[str, str] = {
     "model": SUPPORTED,

@@ -1,8 +1,8 @@
 """The official ``openai`` client against a running app, the way users call it: every neutral
-field of README's "Request fields" table, an unknown field, an assistant message with
+field of docs/api.md's "Request fields" table, an unknown field, an assistant message with
 ``content: null``, text parts, streaming with usage and logprobs, penalties, n, the vLLM
 extensions through ``extra_body``, and the model route. Exits non-zero on the first answer
-that is not what the README promises.
+that is not what docs/api.md promises.
 
     python -m load_tests.client_compat [--base-url http://127.0.0.1:8000/v1] [--model NAME]
 """

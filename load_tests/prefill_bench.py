@@ -7,7 +7,7 @@ Prints, on the prefill replica's thread count:
   its first pass begins. The chat's time to its KV package, chunked (``--chunk``) and
   unchunked (the whole document in one pass), and what the document pays for chunking;
 * **a chat during a document's pass, through the replica's queue**
-  (``deployments.prefill_queue.PrefillQueue``): a 1024-token prompt is queued, a 64-token prompt
+  (``app.prefill_queue.PrefillQueue``): a 1024-token prompt is queued, a 64-token prompt
   arrives 50-300 ms later (the same random delays for both): the chat's time to its package
   with passes paused between layers for it (``prefill_preempt_layers``, the default 4) and
   with passes run whole (0), and the document's time;

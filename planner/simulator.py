@@ -46,7 +46,7 @@ The simulated engine follows the app's code path by path:
   gives every running sequence one token and costs ``decode_ctx_s(batch, positions)``,
   ``positions`` being the KV its attention works over. ``kv_layout`` picks the engine:
 
-  - ``"paged"`` (this engine: ``app.kv_cache``, ``app.decode``, ``app.paged_attention``):
+  - ``"paged"`` (this engine: ``app.kv_cache``, ``app.decode``, ``app.attention``):
     a pool of ``kv_budget_tokens // kv_block_tokens`` blocks (16 tokens, the engine's); a
     sequence reserves its prompt + max_tokens rounded up to whole blocks when it joins and
     gives them back when it ends. The step gathers each row's KV padded to the longest row
@@ -132,7 +132,7 @@ from planner.hardware import DeviceProfile
 PREFIX_BLOCK_TOKENS = 16
 # ``app.kv_cache.DEFAULT_BLOCK_SIZE``: tokens per block of the decode replica's KV pool.
 KV_BLOCK_TOKENS = 16
-# ``app.paged_attention._EXACT_OVER_PADDED``: a decode step gathers exactly (no padding) when
+# ``app.attention._EXACT_OVER_PADDED``: a decode step gathers exactly (no padding) when
 # the padded block would copy more than this many times the positions the rows hold.
 EXACT_OVER_PADDED = 2
 KV_LAYOUTS = ("paged", "inplace", "padded")

@@ -337,7 +337,7 @@ static void attend_block8(int mr, long i0, const float *q, long qs, const float 
 }
 
 /* Returns SK_OK; SK_UNSUPPORTED for a head_dim the kernel does not serve (the engine checks
-   the model's at start-up, app/paged_attention.py:prefill_attention_unavailable, and then
+   the model's at start-up, app/attention.py:prefill_attention_unavailable, and then
    runs every pass in torch's attention; at call time it is an error); SK_BAD_SHAPE for counts out of range (batch, s, pmax < 0, heads
    not a multiple of kv_heads, t not pmax + s, threads < 1); SK_BAD_STARTS for a row whose
    cached positions are not within [0, pmax]; SK_NO_MEMORY. AVX-512 where the panel kernel

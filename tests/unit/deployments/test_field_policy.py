@@ -1,6 +1,6 @@
-"""The request field policy has one table in the code (``app.protocol.FIELD_POLICY``) and the
-same table in README's "Request fields": neither may drift from the other, nor from the
-fields the request bodies declare."""
+"""The request field policy has one table in the code (``deployments.field_policy.FIELD_POLICY``)
+and the same table in docs/api.md's "Request fields": neither may drift from the other, nor
+from the fields the request bodies declare."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from deployments.protocol import (
     StreamOptions,
 )
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+README = Path(__file__).resolve().parents[3] / "docs" / "api.md"
 _ROW = re.compile(r"\| `([\w.]+)` \| ([^|]+?) \|")
 _POLICY = re.compile(r"supported|ignored|neutral only: .+")
 
