@@ -1,6 +1,6 @@
 """The prefill scheduling policy, torch-free: which prompts the next prefill pass takes, and
 which prompt chunks ride in a decode step. The engine (``app.prefill.Prefiller``) calls it
-with its jobs and the capacity planner's simulator (``planner/simulator.py``) with simulated
+with its jobs and the capacity planner's simulator (``planner/sim/``) with simulated
 ones, so the planner predicts the schedule the engine runs
 (``tests/unit/planner/test_shared_policy.py`` drives both with one arrival sequence).
 

@@ -32,7 +32,7 @@ from load_tests.metrics import parse_slos
 from load_tests.workloads import LengthDist
 from planner import hardware, search, validate
 from planner.hardware import DeviceProfile
-from planner.simulator import (
+from planner.sim import (
     COLOCATED_POLICIES,
     KV_LAYOUTS,
     ColocatedSystem,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from planner.hardware import DeviceProfile, PassCost
-from planner.simulator import (
+from planner.sim import (
     ColocatedSystem,
     EngineLimits,
     SplitSystem,

@@ -17,7 +17,7 @@ import yaml
 
 from load_tests.metrics import RequestRecord, summarize
 from planner.hardware import DeviceProfile
-from planner.simulator import (
+from planner.sim import (
     ColocatedSystem,
     EngineLimits,
     SplitSystem,

@@ -28,7 +28,7 @@ from planner.profile import (
     fit_linear,
     stack_device,
 )
-from planner.simulator import (
+from planner.sim import (
     Arrival,
     ColocatedSystem,
     EngineLimits,
@@ -423,7 +423,7 @@ def test_gather_rule_is_the_engines(lengths):
     from app.attention import _EXACT_OVER_PADDED, PagedDecodeStep
     from app.kv_cache import DEFAULT_BLOCK_SIZE, LayerSpan, PagedKVCache, contiguous_tables
     from app.kv_package import KVLayout
-    from planner.simulator import (
+    from planner.sim import (
         EXACT_OVER_PADDED,
         KV_BLOCK_TOKENS,
         attended_positions,
@@ -495,7 +495,7 @@ def test_decode_admission_is_the_engines(budget, requests):
     from app.decode import Decoder
     from app.sampling import SamplingParams
     from app.sequence import Sequence
-    from planner.simulator import _Decoder, _Req, _Seq
+    from planner.sim.engine import _Decoder, _Req, _Seq
 
     engine = Decoder(_Runner(), eos_token_ids=frozenset(), max_batch_size=16,
                      max_kv_tokens=budget)
@@ -709,7 +709,7 @@ def test_fairness_bound_keeps_a_long_prompt_from_starving():
 
 
 def test_cached_prefix_is_whole_blocks_and_leaves_a_token_to_compute():
-    from planner.simulator import cached_prefix
+    from planner.sim import cached_prefix
 
     assert cached_prefix(1024, 0.5) == 512
     assert cached_prefix(1000, 0.5) == 496  # 31 blocks of 16
@@ -877,7 +877,7 @@ def _engine_chunk_steps(lim, prompts, decode_rows, now=10.0, joins=False):
 def test_mixed_step_chunks_are_the_engines(lim, prompts, decode_rows):
     """Step after step, the simulated replica puts the same prompts' chunks, of the same
     sizes, into its decode steps as the engine's ``Prefiller.plan_chunks``."""
-    from planner.simulator import _PrefillQueue, _Req
+    from planner.sim.engine import _PrefillQueue, _Req
 
     q = _PrefillQueue(device(), lim)
     reqs = [_Req(Arrival(t, n, 2, cached_len=d), t, k) for k, (n, d, t) in enumerate(prompts)]

@@ -1,5 +1,5 @@
 """One scheduler, two users: the engine's prefill planning (``app.prefill.Prefiller``) and the
-capacity planner's simulated queue (``planner.simulator._PrefillQueue``) run the same policy
+capacity planner's simulated queue (``planner.sim.engine._PrefillQueue``) run the same policy
 (``app.prefill_policy.PrefillPolicy``). Driven with one arrival sequence, pass by pass, they
 choose the same prompts and the same chunks; and the planner's default bounds are the app's."""
 
@@ -13,7 +13,8 @@ from app.config import EngineConfig
 from app.messages import PrefillRequest
 from app.prefill import PrefillJob
 from app.sampling import SamplingParams
-from planner.simulator import Arrival, EngineLimits, _PrefillQueue, _Req
+from planner.sim import Arrival, EngineLimits
+from planner.sim.engine import _PrefillQueue, _Req
 
 PASS_S = 0.4  # simulated time a pass (or a mixed step) takes
 

@@ -1,0 +1,16 @@
+"""The engine's constants the simulator mirrors (each names its home in app/)."""
+
+from __future__ import annotations
+
+# The prefix cache's block (``app.prefix_cache.DEFAULT_BLOCK_TOKENS``): a prompt's cached
+# prefix is a whole number of blocks and leaves at least one token to compute.
+PREFIX_BLOCK_TOKENS = 16
+# ``app.kv_cache.DEFAULT_BLOCK_SIZE``: tokens per block of the decode replica's KV pool.
+KV_BLOCK_TOKENS = 16
+# ``app.attention._EXACT_OVER_PADDED``: a decode step gathers exactly (no padding) when
+# the padded block would copy more than this many times the positions the rows hold.
+EXACT_OVER_PADDED = 2
+KV_LAYOUTS = ("paged", "inplace", "padded")
+# How a colocated replica shares its engine between prompts and decode steps: this app
+# (mixed_batch on, off), then the vLLM-style approximation (the module docstring).
+COLOCATED_POLICIES = ("mixed", "interleave", "chunked")

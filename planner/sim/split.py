@@ -1,0 +1,172 @@
+"""The split system: prefill replicas, the KV hop, decode replicas, local prefill of short
+prompts."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Collection, Iterable
+
+from planner.hardware import DeviceProfile
+from planner.sim.engine import _answers, _Busy, _Clock, _PrefillQueue, _Req, _Seq
+from planner.sim.replicas import _Engines
+from planner.sim.systems import SplitSystem
+from planner.sim.workload import Arrival
+
+
+class _SplitRun:
+    """The split app's replicas on a clock: prefill passes, the KV hop, decode batches, and
+    the ingress's choice of where a prompt is prefilled (``SplitPath._prefills_locally``)."""
+
+    def __init__(self, sysm: SplitSystem, clock: _Clock, finish: Callable[[_Seq], None]) -> None:
+        self.sysm, self.limits, self.clock, self.finish = sysm, sysm.limits, clock, finish
+        self.prefill_busy = [_Busy() for _ in range(sysm.num_prefill)]
+        # per replica: which of its lanes has a pass under way, and the prompts in them
+        self.lane_busy = [[False] * sysm.limits.prefill_lanes for _ in range(sysm.num_prefill)]
+        self.in_pass: list[set[_Req]] = [set() for _ in range(sysm.num_prefill)]
+        self.prefills = [_PrefillQueue(sysm.prefill, sysm.limits)
+                         for _ in range(sysm.num_prefill)]
+        # DecodeServer: a decode loop and a prefill queue for the prompts prefilled locally
+        self.decode = _Engines(sysm.decode, sysm.num_decode, sysm.limits, sysm.decode_policy,
+                               clock, finish)
+        self.decode.on_prefilled = self._stream_starts
+        self.homes = random.Random(0)  # each prompt's rendezvous-hash home replica
+        self.busy_tokens = sysm.limits.busy_prefill_tokens
+        # SplitPath's counts: prompt tokens whose streams have not started, sent to the
+        # prefill phase, of those the short ones, and sent to a decode replica
+        self.prefill_backlog = self.short_backlog = self.local_backlog = 0
+
+    def schedule_arrivals(self, arrivals: Iterable[Arrival]) -> None:
+        overhead = self.sysm.prefill.request_overhead_s
+        for uid, a in enumerate(arrivals):
+            r = _Req(a, a.at, uid)
+            self.clock.at(a.at + overhead, lambda r=r: self.request_arrive(r))
+
+    def busy_devices(self) -> list[tuple[DeviceProfile, _Busy]]:
+        return ([(self.sysm.prefill, b) for b in self.prefill_busy]
+                + [(self.sysm.decode, b) for b in self.decode.busy])
+
+    def _route_prefill(self) -> int:
+        qs = self.prefills
+        least = min(range(len(qs)), key=lambda k: (len(qs[k]), qs[k].tokens))
+        if self.limits.prefill_routing == "least_loaded" or len(qs) == 1:
+            return least
+        home = self.homes.randrange(len(qs))
+        if len(qs[home]) - len(qs[least]) > self.limits.affinity_imbalance:
+            return least
+        return home
+
+    def _is_short(self, r: _Req) -> bool:
+        return r.arrival.input_len < self.limits.local_prefill_when_busy
+
+    def prefills_locally(self, r: _Req) -> bool:
+        """``SplitPath._prefills_locally``: under ``local_prefill_threshold``; or short while
+        the prefill phase is backed up and the decode side has fewer tokens ahead of it
+        (its local prompts not yet streaming) than the prefill phase (its short prompts and
+        at most two passes of longer ones)."""
+        if r.arrival.input_len < self.limits.local_prefill_threshold:
+            return True
+        if not self._is_short(r) or self.prefill_backlog < self.busy_tokens:
+            return False
+        longer = self.prefill_backlog - self.short_backlog
+        ahead_there = self.short_backlog + min(longer, 2 * self.busy_tokens)
+        return self.local_backlog < ahead_there
+
+    def _count(self, r: _Req, sign: int) -> None:
+        """``Backlog._count``."""
+        n = sign * r.backlog
+        if r.local:
+            self.local_backlog += n
+        else:
+            self.prefill_backlog += n
+            if r.short:
+                self.short_backlog += n
+
+    def _stream_starts(self, r: _Req) -> None:
+        """``r``'s stream starts (``StreamStart``: local, its package made; otherwise on the
+        decode replica, the hop done): its tokens leave the backlog counts."""
+        if r.backlog:
+            self._count(r, -1)
+            r.backlog = 0
+
+    def request_arrive(self, r: _Req) -> None:
+        r.local = self.prefills_locally(r)
+        if r.arrival.n == 1:
+            # n > 1 is prefilled once for its answers (``SplitPath.shared_prefill``), whose
+            # streams read that package: neither is counted in a backlog
+            r.backlog, r.short = r.arrival.input_len, not r.local and self._is_short(r)
+            self._count(r, +1)
+        if r.local:  # DecodeServer.generate_local: on the least loaded decode replica
+            self.decode.add_prompt(self.decode.least_loaded(), r)
+            return
+        i = self._route_prefill()
+        q = self.prefills[i]
+        q.add(r, self.clock.now)
+        if q.idle:
+            q.idle = False
+            self.clock.at(self.clock.now + self.limits.batch_wait_s,
+                          lambda: self.prefill_start(i))
+        elif 0 < self.passes(i) < self.limits.prefill_lanes:
+            # the queue's loop is awake (a pass runs): a free lane takes it at once
+            # (``PrefillQueue._run_lanes``)
+            self.prefill_start(i)
+
+    def passes(self, i: int) -> int:
+        """Prefill passes under way on replica ``i`` (one per busy lane)."""
+        return sum(self.lane_busy[i])
+
+    def prefill_start(self, i: int) -> None:
+        """Passes on replica ``i``'s free lanes, while prompts in no pass wait."""
+        q = self.prefills[i]
+        while self.passes(i) < self.limits.prefill_lanes:
+            lane = self.lane_busy[i].index(False)
+            busy: Collection[_Req] = self.in_pass[i]
+            if lane > 0:  # an extra lane takes long prompts only (at least half a chunk)
+                busy = busy | {e[3] for e in q._order if 2 * e[3].remaining < q.chunk_tokens}
+            rows = q.plan(self.clock.now, busy)
+            if not rows:
+                break
+            cost = q.pass_s(rows) / self._prefill_share(i)
+            self.lane_busy[i][lane] = True
+            self.in_pass[i].update(rows)
+            self.prefill_busy[i].prefill_s += cost
+            self.clock.at(self.clock.now + cost,
+                          lambda rows=rows, lane=lane: self.prefill_end(i, rows, lane))
+        if not self.passes(i):
+            q.idle = True
+
+    def _prefill_share(self, i: int) -> float:
+        """The part of a core a prefill pass starting now runs on (``shared_cores``): the
+        cores less what the stack takes streaming the running sequences' tokens (each
+        decode replica's rows over its step), shared equally with the busy decode replicas
+        and the other passes under way (other replicas', this one's other lanes), at most
+        one core; on hardware of one's own 1.0, or that split equally between the replica's
+        passes under way (its lanes share its device). Fixed for the pass."""
+        cores = self.sysm.shared_cores
+        if cores is None:
+            return 1.0 / (1 + self.passes(i))
+        busy = 1 + sum(self.passes(j) for j in range(len(self.lane_busy)))
+        tokens_per_s = 0.0
+        for j, dec in enumerate(self.decode.decoders):
+            busy += self.decode.active[j]
+            if dec.running:
+                tokens_per_s += len(dec.running) / dec.step_cost()
+        left = max(cores - self.sysm.stack_cpu_per_token_s * tokens_per_s, 0.1 * cores)
+        return min(1.0, left / busy)
+
+    def prefill_end(self, i: int, rows: list[_Req], lane: int = 0) -> None:
+        """Each prompt this pass finished leaves; each answer hops to decode on its own."""
+        dev = self.sysm.prefill
+        self.lane_busy[i][lane] = False
+        self.in_pass[i].difference_update(rows)
+        for r in self.prefills[i].advance(rows):
+            hop = dev.hop_s(r.arrival.input_len * dev.kv_bytes_per_token)
+            for s in _answers(r):
+                self.clock.at(self.clock.now + hop, lambda s=s: self.decode_arrive(s))
+        self.prefill_start(i)
+
+    def decode_arrive(self, s: _Seq) -> None:
+        self._stream_starts(s.req)
+        if s.first_token(self.clock.now):
+            self.finish(s)
+            return
+        self.decode.add_seq(self.decode.least_loaded(), s, defer=True)
