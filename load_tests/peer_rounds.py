@@ -4,7 +4,7 @@ server's median over the rounds and its ratio to vLLM's in the same round, as th
 with the min-max of the rounds' ratios.
 
     python load_tests/peer_rounds.py ROUND_DIR [ROUND_DIR ...] [--servers vllm split colocated]
-        [--figure "W-short:ITL p99 ms" ...]
+        [--figure "W-short:ITL p99 ms" ...] [--baseline vllm-matched]
 
 ``--figure WORKLOAD:FIGURE`` (any of ``peer_table``'s figures) adds a row to the default ones.
 
@@ -60,9 +60,10 @@ def load(rounds: list[Path], servers: list[str], figures: dict | None = None) ->
     return table
 
 
-def render(table: dict, servers: list[str]) -> str:
+def render(table: dict, servers: list[str], baseline: str = "vllm") -> str:
+    """The table; ratios are each server's value over ``baseline``'s in the same round."""
     head = ["workload", "figure"] + [f"{s} (median)" for s in servers]
-    head += [f"{s} / vllm (median, min-max)" for s in servers if s != "vllm"]
+    head += [f"{s} / {baseline} (median, min-max)" for s in servers if s != baseline]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (workload, label), cell in table.items():
         row = [workload, label]
@@ -70,10 +71,10 @@ def render(table: dict, servers: list[str]) -> str:
             values = [v for v in cell.get(server, {}).values() if v is not None]
             row.append(f"{statistics.median(values):,.1f}" if values else "-")
         for server in servers:
-            if server == "vllm":
+            if server == baseline:
                 continue
-            ratios = [v / cell["vllm"][r] for r, v in cell.get(server, {}).items()
-                      if v is not None and cell.get("vllm", {}).get(r)]
+            ratios = [v / cell[baseline][r] for r, v in cell.get(server, {}).items()
+                      if v is not None and cell.get(baseline, {}).get(r)]
             row.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, "
                        f"{len(ratios)} rounds)" if ratios else "-")
         lines.append("| " + " | ".join(row) + " |")
@@ -86,12 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", nargs="+", default=SERVERS)
     ap.add_argument("--figure", action="append", default=[],
                     help="WORKLOAD:FIGURE to add to the default rows (repeatable)")
+    ap.add_argument("--baseline", default="vllm",
+                    help="the server the ratios are to (e.g. vllm-matched), one of --servers")
     args = ap.parse_args(argv)
+    if args.baseline not in args.servers:
+        ap.error(f"--baseline {args.baseline} is not one of --servers")
     try:
         figures = with_figures(args.figure)
     except ValueError as exc:
         ap.error(str(exc))
-    print(render(load(args.rounds, args.servers, figures), args.servers))
+    print(render(load(args.rounds, args.servers, figures), args.servers, args.baseline))
     return 0
 
 

@@ -37,3 +37,24 @@ def test_no_floor_without_decode_bench(tmp_path, capsys):
     (tmp_path / "vllm_W-short.json").write_text(json.dumps(_result(60.0, 100.0)))
     assert peer_table.main([str(tmp_path)]) == 0
     assert "Decode floor" not in capsys.readouterr().out
+
+
+def test_rounds_ratios_to_a_named_baseline(tmp_path, capsys):
+    """peer_rounds --baseline: the ratios are to that server's figure in the same round (the
+    budget-matched vLLM of make bench-peers), the median with the rounds' min-max."""
+    from load_tests import peer_rounds
+
+    rounds = []
+    for i, (matched, split) in enumerate(((50.0, 40.0), (100.0, 60.0), (80.0, 80.0))):
+        folder = tmp_path / f"round-{i}"
+        folder.mkdir()
+        for name, tok_s in (("vllm", 200.0), ("vllm-matched", matched), ("split", split)):
+            (folder / f"{name}_W-short.json").write_text(json.dumps(_result(tok_s, 10.0)))
+        rounds.append(str(folder))
+    servers = ["--servers", "vllm", "vllm-matched", "split"]
+    assert peer_rounds.main([*rounds, *servers, "--baseline", "vllm-matched"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("| W-short | out tok/s"))
+    assert "split / vllm-matched" not in row
+    # split over matched per round: 0.80, 0.60, 1.00
+    assert row.rstrip(" |").endswith("0.80x (0.60-1.00, 3 rounds)")
