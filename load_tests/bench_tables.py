@@ -14,6 +14,8 @@ The first word after ``generated:`` names a generator below, the rest are its ar
   ``*`` is a glob, its folders in sorted order.
 - ``structured_peer FOLDER``: ``structured_peer.sh``'s ``<round>-<server>.json`` files,
   vLLM against the split app per round, the ratio as the median of the rounds' with min-max.
+- ``stream_bw FILE_GLOB [--dtype DTYPE]``: the read bandwidth and the decode floor over the
+  rounds of ``make bench-peers`` (``load_tests/stream_bw.py --summarize``).
 - ``structured_bench FILE``: ``structured_bench.py --json``'s step cost by constrained rows.
 - ``weights_quality FILE``: ``weights_quality.py``'s JSON, each variant against float32.
 
@@ -34,7 +36,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from load_tests import peer_rounds
+from load_tests import peer_rounds, stream_bw
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"^<!-- generated: (?P<args>.+?) -->\n(?P<body>.*?)^<!-- /generated -->$",
@@ -62,7 +64,10 @@ def gen_peer_rounds(args: list[str], base: Path) -> str:
     ap.add_argument("rounds", nargs="+")
     ap.add_argument("--servers", nargs="+", default=peer_rounds.SERVERS)
     ap.add_argument("--figure", action="append", default=[])
+    ap.add_argument("--baseline", default="vllm")
     ns = ap.parse_args(args)
+    if ns.baseline not in ns.servers:
+        raise BlockError(f"peer_rounds: --baseline {ns.baseline} is not one of --servers")
     rounds: list[Path] = []
     for r in ns.rounds:
         if any(c in r for c in "*?["):
@@ -78,7 +83,21 @@ def gen_peer_rounds(args: list[str], base: Path) -> str:
         figures = peer_rounds.with_figures(ns.figure)
     except ValueError as exc:
         raise BlockError(f"peer_rounds: {exc}") from exc
-    return peer_rounds.render(peer_rounds.load(rounds, ns.servers, figures), ns.servers)
+    return peer_rounds.render(peer_rounds.load(rounds, ns.servers, figures), ns.servers,
+                              ns.baseline)
+
+
+def gen_stream_bw(args: list[str], base: Path) -> str:
+    """``stream_bw --dtype DTYPE FILE_GLOB``: the read bandwidth and decode floor over the
+    rounds' ``stream.json`` files (``load_tests/stream_bw.py --summarize``)."""
+    ap = _parser("stream_bw")
+    ap.add_argument("files")
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(stream_bw.WEIGHT_BYTES))
+    ns = ap.parse_args(args)
+    paths = sorted(p for p in base.glob(ns.files) if p.is_file())
+    if not paths:
+        raise BlockError(f"stream_bw: no file matches {ns.files}")
+    return stream_bw.summarize([str(p) for p in paths], ns.dtype)
 
 
 def _ratio_range(values: list[float]) -> str:
@@ -163,6 +182,7 @@ GENERATORS: dict[str, Callable[[list[str], Path], str]] = {
     "structured_peer": gen_structured_peer,
     "structured_bench": gen_structured_bench,
     "weights_quality": gen_weights_quality,
+    "stream_bw": gen_stream_bw,
 }
 
 

@@ -180,24 +180,25 @@ measure() {
 
 # ---- (a) vLLM-CPU ----
 run_vllm() {
-  echo "== vllm: starting on port $VLLM_PORT (log $OUT/logs/vllm-server.log)"
+  local log=$OUT/logs/${VLLM_LABEL:-vllm}-server.log
+  echo "== vllm: starting on port $VLLM_PORT (log $log)"
   # setsid: its own process group (API server + engine core), stopped as one; start_vllm.sh
   # writes its PID (the group's id) to $PEER/vllm.pid before it execs vllm
   rm -f "$PEER/vllm.pid"
   # shellcheck disable=SC2086  # VLLM_ARGS is a list of words
   PEER=$PEER setsid "$PEER_SCRIPTS/start_vllm.sh" --port "$VLLM_PORT" ${VLLM_ARGS:-} \
-    >"$OUT/logs/vllm-server.log" 2>&1 &
+    >"$log" 2>&1 &
   local t0=$SECONDS
   for _ in $(seq 50); do [ -s "$PEER/vllm.pid" ] && break; sleep 0.2; done
   VLLM_PID=$(cat "$PEER/vllm.pid" 2>/dev/null || true)
   VLLM_PID=${VLLM_PID:-$!}
   until answers "http://127.0.0.1:$VLLM_PORT/v1/models"; do
     if ! kill -0 "$VLLM_PID" 2>/dev/null; then
-      tail -20 "$OUT/logs/vllm-server.log" >&2
+      tail -20 "$log" >&2
       stop_vllm; failed+=("vllm start"); echo "vLLM exited before it was ready" >&2; return 0
     fi
     if (( SECONDS - t0 > VLLM_READY_TIMEOUT )); then
-      tail -20 "$OUT/logs/vllm-server.log" >&2
+      tail -20 "$log" >&2
       stop_vllm; failed+=("vllm start"); echo "vLLM not ready after ${VLLM_READY_TIMEOUT}s" >&2; return 0
     fi
     sleep 2

@@ -22,14 +22,14 @@ import statistics
 import sys
 import time
 
-import torch
-
 # bytes a weight takes at each weight format the engine serves
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 
 def read_gbs(threads: int, gib: float, repeats: int) -> list[float]:
     """GB/s of a read-only sum over ``gib`` GiB of float32, one value a repeat."""
+    import torch  # here: summarizing the rounds' files needs only the standard library
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
