@@ -18,49 +18,19 @@ import dataclasses
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from ray.serve.schema import DeploymentSchema
 
 from app.config import EngineConfig
 from deployments.autoscaling import DecodeParams, PrefillParams
+from deployments.serve_options import check_deployment_config, merged, policy_path, scaling_override
 
 # Prompts shorter than this are prefilled on the decode replica; 0: every prompt hops
 # (the measurement behind the default: BENCHMARKS.md, "Split path").
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 0
 # ... and, while the prefill phase is backed up by at least a pass, prompts shorter than
-# this (BENCHMARKS.md, "W-mixed": a chat waited a pass or more behind document chunks)
+# this (BENCHMARKS.md §7, the AVX2 runs: a chat waited a pass or more behind document chunks)
 DEFAULT_LOCAL_PREFILL_WHEN_BUSY = 128
 # The decode policy's default KV target: this fraction of a replica's max_kv_tokens.
 DEFAULT_KV_FRACTION = 0.8
-
-_SERVE_FIELDS = frozenset(DeploymentSchema.model_fields) - {"name"}
-
-
-def _merged(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """``given`` over ``defaults``, dicts merged one level deep (``ray_actor_options``)."""
-    out = dict(defaults)
-    for key, value in given.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            value = {**out[key], **value}
-        out[key] = value
-    return out
-
-
-def check_deployment_config(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Raise ValueError unless Serve's own deployment schema accepts ``options``."""
-    unknown = sorted(set(options) - _SERVE_FIELDS)
-    if unknown:
-        raise ValueError(f"unknown Serve deployment option(s) {unknown}; "
-                         f"see ray.serve.schema.DeploymentSchema")
-    DeploymentSchema.model_validate({"name": name, **options})
-    return options
-
-
-def policy_path(policy: Any) -> str:
-    """``module:name`` of an autoscaling policy given as an import path or the object."""
-    if isinstance(policy, str):
-        return policy
-    return f"{policy.__module__}:{policy.__qualname__}"
-
 
 class _Deployment(BaseModel):
     """A deployment's Serve options (``deployment_config``) over the project's defaults."""
@@ -89,8 +59,8 @@ class _Deployment(BaseModel):
         defaults = dict(self.DEFAULTS)
         if "autoscaling_config" in given:
             defaults.pop("num_replicas", None)  # Serve refuses both
-        opts = _merged(defaults, given)
-        opts["ray_actor_options"] = _merged(opts.get("ray_actor_options", {}),
+        opts = merged(defaults, given)
+        opts["ray_actor_options"] = merged(opts.get("ray_actor_options", {}),
                                             self._placement())
         return opts
 
@@ -392,14 +362,7 @@ class AppArgs(BaseModel):
         actual = policy_path(autoscaling_config.policy.policy_function)
         if actual == expected:
             return
-        raise ValueError(
-            f"{phase} autoscales with {actual}, not its phase policy {expected}: a Serve "
-            f"config's deployments: entry that sets autoscaling_config replaces the app's "
-            f"whole autoscaling_config, policy included. Set it in the app's args instead "
-            f"({phase}.deployment_config.autoscaling_config, and {phase}.scaling for the "
-            f"policy's parameters), or name the policy in the override (policy: "
-            f"{{policy_function: {expected}, policy_kwargs: ...}}); to scale on request "
-            f"counts, name Serve's policy in the args' autoscaling_config.")
+        raise ValueError(scaling_override(phase, actual, expected))
 
     def deployment_options(self, phase: str) -> dict[str, Any]:
         """Serve options of one phase's deployment: placement, scale and, when it autoscales,
