@@ -132,34 +132,37 @@ class ModelRunner:
         # transformers renamed the layers' cache argument; pass it under whichever name it has.
         params = inspect.signature(self.layers[0].forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        # Held by every pass but those of a prefill replica's lanes that run side by side
-        # (Prefiller.advance(alone=False): an extra lane's, lane 0's while another lane has
-        # one): decode, mixed and other prefill passes run one at a time, as they share the
-        # cores of this process and the paged pool.
+        # Held by every pass but a prefill replica's lanes running side by side
+        # (Prefiller.advance(alone=False)): decode, mixed and other prefill passes run one at
+        # a time, as they share the cores of this process and the paged pool.
         self.lock = threading.Lock()
         # Decode steps attend over the paged pool (app.attention); every other pass
         # (prefill) is the model's SDPA through the same registered function.
         model.set_attn_implementation(PAGED_ATTENTION)
-        sdpa_note = serving_sdpa_backends([span.device for span in self.spans])
+        self._choose_paths()
+        self._log_paths()
+
+    def _choose_paths(self) -> None:
+        """Each part's path: the engine's kernels where config and model allow, else why."""
+        config, devices = self.config, [span.device for span in self.spans]
+        sdpa_note = serving_sdpa_backends(devices)
         if sdpa_note:
             logger.info("%s", sdpa_note)
         # decode attention reads the pool in place with the engine's CPU kernel where it can
         reason = (None if config.cpu_attention_kernel
                   else "turned off (cpu_attention_kernel: false)")
         self.inplace_reason = reason or inplace_attention_unavailable(
-            self.dtype, [span.device for span in self.spans], self.shape.head_dim,
-            config.resolved_cache_dir)
+            self.dtype, devices, self.shape.head_dim, config.resolved_cache_dir)
         self.inplace_attention = self.inplace_reason is None
         # prefill passes (and mixed passes' chunks) attend through the engine's kernel
         self.prefill_attention_reason = reason or prefill_attention_unavailable(
-            self.dtype, [span.device for span in self.spans], self.shape.head_dim,
-            config.resolved_cache_dir)
+            self.dtype, devices, self.shape.head_dim, config.resolved_cache_dir)
         self.prefill_kernel = self.prefill_attention_reason is None
         # and the whole decode step in one kernel call where the model is one it computes
         reason = None if config.fused_decode else "turned off (fused_decode: false)"
-        self.fused_reason = reason or fused_decode_unavailable(model, self.inplace_attention)
-        self.fused = FusedDecode(model) if self.fused_reason is None else None
-        self._log_paths()
+        self.fused_reason = reason or fused_decode_unavailable(self.model,
+                                                               self.inplace_attention)
+        self.fused = FusedDecode(self.model) if self.fused_reason is None else None
 
     def _log_paths(self) -> None:
         """Each part's path at start-up: a slow path the config did not ask for is a WARNING

@@ -290,15 +290,7 @@ class SplitPath:
         try:
             async for item in stream:
                 if isinstance(item, StreamStart):
-                    if shared is not None and shared[0].local:
-                        # the package was made on the decode side: no hop to report
-                        item = dataclasses.replace(item, local_prefill=True)
-                    trace.stream_start = item
-                    if trace.cached_tokens is None:
-                        trace.cached_tokens = item.cached_tokens
-                    trace.attempts += 1
-                    if trace.kv_locations is None and ref is not None:
-                        trace.kv_locations, trace.kv_object_size = self.locate(ref)
+                    self._record_start(item, trace, shared, ref)
                     ref = None  # decode holds the package: the ingress needs no ref
                     prefill_call = None
                     if backlog is not None:
@@ -313,6 +305,33 @@ class SplitPath:
                 held.release()
             if prefill_call is not None:
                 prefill_call.cancel()  # a prompt still queued for prefill is dropped
+
+    def _record_start(self, item: StreamStart, trace: RequestTrace,
+                      shared: tuple[SharedPackage, int] | None,
+                      ref: ray.ObjectRef | None) -> None:
+        """An attempt's stream started: what the trace keeps of it."""
+        if shared is not None and shared[0].local:
+            # the package was made on the decode side: no hop to report
+            item = dataclasses.replace(item, local_prefill=True)
+        trace.stream_start = item
+        if trace.cached_tokens is None:
+            trace.cached_tokens = item.cached_tokens
+        trace.attempts += 1
+        if trace.kv_locations is None and ref is not None:
+            trace.kv_locations, trace.kv_object_size = self.locate(ref)
+
+    def _next_attempt(self, exc: Exception, preq: PrefillRequest, attempt: int,
+                      delivered: int) -> tuple[int, str]:
+        """Count a retry of ``preq`` after the retryable ``exc``: the next attempt's number
+        and the error's name; GenerationFailed once ``max_retries`` are spent."""
+        error = type(unwrap_error(exc)).__name__
+        if attempt >= self.max_retries:
+            raise GenerationFailed(
+                f"request {preq.request_id} failed after {attempt} retries: {error}") from exc
+        self.retries += 1
+        logger.warning("request %s: %s; retry %d/%d with %d tokens delivered",
+                       preq.request_id, error, attempt + 1, self.max_retries, delivered)
+        return attempt + 1, error
 
     async def resumable_stream(self, preq: PrefillRequest, trace: RequestTrace,
                                shared: tuple[SharedPackage, int] | None = None,
@@ -356,16 +375,7 @@ class SplitPath:
             except Exception as exc:
                 if not is_retryable(exc):
                     raise
-                if attempt >= self.max_retries:
-                    raise GenerationFailed(
-                        f"request {preq.request_id} failed after {attempt} retries: "
-                        f"{type(unwrap_error(exc)).__name__}") from exc
-                attempt += 1
-                self.retries += 1
-                error = type(unwrap_error(exc)).__name__
-                logger.warning("request %s: %s; retry %d/%d with %d tokens delivered",
-                               preq.request_id, error, attempt, self.max_retries,
-                               len(delivered))
+                attempt, error = self._next_attempt(exc, preq, attempt, len(delivered))
                 current = resume_request(preq, delivered, attempt)
             finally:
                 await events.aclose()
