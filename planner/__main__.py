@@ -179,6 +179,8 @@ def _add_profile_parser(sub: Any) -> None:
     pp.add_argument("--threads", default="1,2", help="torch thread counts to profile")
     pp.add_argument("--no-hop", action="store_true", help="skip the Ray KV-hop measurement")
     pp.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
+    pp.add_argument("--dtype", default="auto",
+                    help="engine.dtype to profile (auto: what the serve configs resolve to)")
     pp.add_argument("--main-thread", action="store_true",
                     help="time the passes on the calling thread (default: one worker thread, as "
                     "a replica's engine thread runs them)")
@@ -272,7 +274,7 @@ def _cmd_profile(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
 
     prof = run_profile(Path(args.out), threads=[int(t) for t in args.threads.split(",")],
                        hop=not args.no_hop, quick=args.quick,
-                       worker_thread=not args.main_thread)
+                       worker_thread=not args.main_thread, dtype=args.dtype)
     print(json.dumps(prof["devices"], indent=1))
     print(f"profile: {args.out}")
     return 0

@@ -69,7 +69,8 @@ def _median_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = None,
-                   quick: bool = False, worker_thread: bool = True) -> dict[str, Any]:
+                   quick: bool = False, worker_thread: bool = True,
+                   dtype: str = "auto") -> dict[str, Any]:
     """Time prefill and decode passes of the app's engine with ``num_threads`` torch threads.
 
     By default on the engine's own thread, which also loaded the model, as a replica runs
@@ -78,7 +79,8 @@ def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = No
     from app.config import DEFAULT_MODEL, EngineConfig
     from app.engine_core import EngineCore
 
-    core = EngineCore(EngineConfig(model=model or DEFAULT_MODEL, num_threads=num_threads))
+    core = EngineCore(EngineConfig(model=model or DEFAULT_MODEL, num_threads=num_threads,
+                                   dtype=dtype))  # auto: what the serve configs run
     if not worker_thread:
         return _time_passes(core, num_threads, repeats, quick)
     result = core.thread.submit(_time_passes, core, num_threads, repeats, quick).result()
@@ -345,14 +347,16 @@ def device_from_measurement(engine: dict[str, Any], hop: dict[str, Any] | None, 
 
 def run_profile(out: Path, *, threads: Sequence[int] = (1, 2), hop: bool = True,
                 quick: bool = False, model: str | None = None,
-                worker_thread: bool = True) -> dict[str, Any]:
+                worker_thread: bool = True, dtype: str = "auto") -> dict[str, Any]:
     engines = {str(t): measure_engine(t, quick=quick, model=model, repeats=2 if quick else 3,
-                                      worker_thread=worker_thread) for t in threads}
+                                      worker_thread=worker_thread, dtype=dtype)
+               for t in threads}
     hop_data = measure_hop(repeats=3 if quick else 5) if hop else None
     profile = {
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"node": platform.node(), "processor": platform.processor(),
                     "machine": platform.machine()},
+        "dtype": dtype,
         "engines": engines,
         "hop": hop_data,
         "devices": {f"cpu-{t}t": device_from_measurement(e, hop_data).to_dict()

@@ -9,7 +9,8 @@
 # then `python -m planner validate --profile ... RESULTS.json --split-config
 # serve_configs/local.yaml` (or --colocated-config) replays each run's arrivals through the
 # simulator with that config's engine bounds and routing. Knobs (environment): INPUT
-# (prompt tokens, 256), OUTPUT (output tokens, 32), RATES ("0.3,0.6,0.9"), N (requests per rate, 30), OUT, PROFILE (1:
+# (prompt tokens, 256), OUTPUT (output tokens, 32), RATES ("0.3,0.6,0.9"), N (requests per rate, 30), OUT,
+# DTYPE (the profile's engine.dtype, auto: as the serve configs), PROFILE (1:
 # first profile the engine passes under the same lock, so the simulator sees the machine as the
 # runs do: $OUT/engine-profile.json, for validate --engine-profile). Before the runs, the
 # serving stack is timed on the live app ($OUT/stack.json, for validate --stack-split or
@@ -29,7 +30,7 @@ source load_tests/serve_local.sh
 
 if [ "${PROFILE:-1}" = 1 ]; then
   threads=1; [ "$CFG" = local-colocated ] && threads=2
-  "$PY" -m planner profile --no-hop --quick --threads "$threads" \
+  "$PY" -m planner profile --no-hop --quick --threads "$threads" --dtype "${DTYPE:-auto}" \
     --out "$OUT/engine-profile.json" >"$OUT/engine-profile.log" 2>&1
 fi
 start_head
