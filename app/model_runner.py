@@ -49,32 +49,11 @@ from app.kv_cache import PagedKVCache, layer_spans
 from app.kv_package import KVLayout
 from app.model_loader import ModelShape, check_architecture
 from app.packed_linear import weight_kind
+from app.prefill_inputs import PrefillCollector, padded_past, past_mask
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class _PrefillCollector:
-    """Cache stand-in for prefill: keeps each layer's new keys/values and attends over them,
-    after the row's earlier positions (``past``: per layer ``[B, kv_heads, P, head_dim]``
-    keys and values) when the pass continues prompts whose start is already computed."""
-
-    def __init__(self, num_layers: int,
-                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.past = past
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # key_states: [B, kv_heads, S, head_dim]
-        self.keys[layer_idx] = key_states
-        self.values[layer_idx] = value_states
-        if self.past is None:
-            return key_states, value_states
-        past_k, past_v = self.past[layer_idx]
-        return (torch.cat([past_k.to(key_states), key_states], dim=2),
-                torch.cat([past_v.to(value_states), value_states], dim=2))
 
 
 def _to_the_end(steps: Generator[int, None, T]) -> T:
@@ -265,10 +244,11 @@ class ModelRunner:
         has_past = past is not None and any(p is not None for p in past)
         starts = [0 if not has_past or p is None else p.shape[3] for p in (past or [None] * bsz)]
         positions = (torch.tensor(starts)[:, None] + torch.arange(seq)[None, :]).to(self.device)
-        mask, collector = None, _PrefillCollector(len(self.layers))
+        mask, collector = None, PrefillCollector(len(self.layers))
         if has_past:
-            mask = self._past_mask(starts, seq).to(self.device)
-            collector.past = self._padded_past(past, starts)
+            mask = past_mask(starts, seq).to(self.device)
+            collector.past = padded_past(past, starts, self.layout, self.dtype,
+                                         self.kv_device, self.layer_devices)
         hidden = self.embed_tokens(ids)  # [B, S, H]
         span = {"prefill_span": PrefillSpan.build(starts)} if self.prefill_kernel else {}
         hidden = yield from self._layers(hidden, positions, mask, collector, **span)
@@ -287,30 +267,6 @@ class ModelRunner:
                 kv[layer_idx, 1] = collector.values[layer_idx][i, :, :n]
             kvs.append(kv)
         return logits, kvs
-
-    @staticmethod
-    def _past_mask(starts: list[int], seq: int) -> torch.Tensor:
-        """[B, 1, S, Pmax + S] bool: row i's query q sees its own ``starts[i]`` earlier
-        positions (the rest of the padded past is masked) and its new tokens up to q."""
-        pmax = max(starts)
-        q = torch.arange(seq)[:, None]
-        k = torch.arange(pmax + seq)[None, :]
-        own_new = (k >= pmax) & (k - pmax <= q)  # [S, Pmax + S]
-        own_past = k[None] < torch.tensor(starts)[:, None, None]  # [B, 1, Pmax + S]
-        return (own_new[None] | own_past)[:, None]
-
-    def _padded_past(self, past: list[torch.Tensor | None],
-                     starts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (keys, values) ``[B, kv_heads, Pmax, head_dim]``, each on its layer's
-        device, a shorter row zero-padded at the end (masked out)."""
-        lay, pmax = self.layout, max(starts)
-        padded = torch.zeros((lay.num_layers, 2, len(starts), lay.num_kv_heads, pmax,
-                              lay.head_dim), dtype=self.dtype, device=self.kv_device)
-        for i, kv in enumerate(past):
-            if kv is not None:
-                padded[:, :, i, :, : starts[i]] = kv.to(self.kv_device, self.dtype)
-        return [(padded[li, 0].to(dev), padded[li, 1].to(dev))
-                for li, dev in enumerate(self.layer_devices)]
 
     # ---- decode -------------------------------------------------------------------------
 

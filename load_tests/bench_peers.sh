@@ -36,18 +36,9 @@ cd "$(dirname "$0")/.."
 
 die() { echo "bench_peers: $*" >&2; exit 2; }
 
-[ -n "${PEER:-}" ] || die "set PEER to a folder where the peer's setup.sh installed vLLM-CPU:
-  PEER=<folder outside the checkout> <peer scripts>/setup.sh   (about 10 minutes), then
-  PEER=<that folder> make bench-peers"
-[ -x "$PEER/vllm-venv/bin/vllm" ] || die "$PEER/vllm-venv/bin/vllm is missing: run the peer's setup.sh with PEER=$PEER"
-PEER=$(cd "$PEER" && pwd)
-if [ -z "${PEER_SCRIPTS:-}" ]; then
-  for d in "$PEER/peer" "$PWD/../shared/peer"; do
-    if [ -f "$d/bench.sh" ]; then PEER_SCRIPTS=$d; break; fi
-  done
-fi
-[ -n "${PEER_SCRIPTS:-}" ] || die "the peer's scripts are not in \$PEER/peer or ../shared/peer: set PEER_SCRIPTS"
-PEER_SCRIPTS=$(cd "$PEER_SCRIPTS" && pwd)
+# shellcheck source=load_tests/peer_env.sh
+source load_tests/peer_env.sh
+check_peer
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || die "$PY is missing: run make setup first"
 

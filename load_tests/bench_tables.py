@@ -145,11 +145,15 @@ def gen_structured_peer(args: list[str], base: Path) -> str:
     return "\n".join(lines)
 
 
-def gen_structured_bench(args: list[str], base: Path) -> str:
-    ap = _parser("structured_bench")
+def _json_file(prog: str, args: list[str], base: Path) -> dict:
+    """The one argument of a generator that reads a JSON file, read."""
+    ap = _parser(prog)
     ap.add_argument("file")
-    ns = ap.parse_args(args)
-    data = json.loads((base / ns.file).read_text())
+    return json.loads((base / ap.parse_args(args).file).read_text())
+
+
+def gen_structured_bench(args: list[str], base: Path) -> str:
+    data = _json_file("structured_bench", args, base)
     lines = ["| rows constrained (of 8) | step ms (median) | min-max | added to 0 rows |",
              "|---|---|---|---|"]
     for k in (0, 1, 8):
@@ -163,10 +167,7 @@ def gen_structured_bench(args: list[str], base: Path) -> str:
 
 
 def gen_weights_quality(args: list[str], base: Path) -> str:
-    ap = _parser("weights_quality")
-    ap.add_argument("file")
-    ns = ap.parse_args(args)
-    data = json.loads((base / ns.file).read_text())
+    data = _json_file("weights_quality", args, base)
     lines = ["| variant (kind) | greedy identical | tokens before first difference | "
              "mean abs dlogp | mean dlogp | top-1 agreement |", "|---|---|---|---|---|---|"]
     for name, r in data["results"].items():

@@ -61,22 +61,9 @@ for s in $SERVERS; do
   case $s in vllm|split|colocated) ;; *) die "unknown server '$s' in SERVERS (vllm split colocated)" ;; esac
 done
 
-[ -n "${PEER:-}" ] || die "set PEER to the scratch folder where the peer's setup.sh installed vLLM
-  (PEER=<folder outside the checkout> <shared>/peer/setup.sh, about 10 minutes)"
-[ -d "$PEER" ] || die "PEER folder '$PEER' does not exist; run the peer's setup.sh with PEER set to it"
-PEER=$(cd "$PEER" && pwd)
-[ -x "$PEER/vllm-venv/bin/vllm" ] || die "$PEER/vllm-venv/bin/vllm is missing: PEER is not set up (run the peer's setup.sh)"
-[ -f "$PEER/smollm2-hf/config.json" ] || die "$PEER/smollm2-hf/ (the converted model) is missing: the peer's setup.sh did not finish"
-if [ -z "${PEER_SCRIPTS:-}" ]; then
-  for d in "$PEER/peer" "$PWD/../shared/peer"; do
-    if [ -f "$d/bench.sh" ]; then PEER_SCRIPTS=$d; break; fi
-  done
-fi
-[ -n "${PEER_SCRIPTS:-}" ] || die "peer scripts not found in \$PEER/peer or ../shared/peer: set PEER_SCRIPTS"
-PEER_SCRIPTS=$(cd "$PEER_SCRIPTS" && pwd)
-for f in bench.sh start_vllm.sh mixed.sh; do
-  [ -f "$PEER_SCRIPTS/$f" ] || die "$PEER_SCRIPTS/$f is missing"
-done
+# shellcheck source=load_tests/peer_env.sh
+source load_tests/peer_env.sh
+check_peer
 
 VLLM_PORT=${VLLM_PORT:-8101}
 APP_PORT=${APP_PORT:-8000}

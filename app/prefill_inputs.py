@@ -1,0 +1,57 @@
+"""What a prefill pass that continues prompts attends to: the stand-in for the model's cache
+that collects each layer's new keys and values (after the rows' earlier positions), the rows'
+earlier positions padded to one length, and the mask that hides the padding."""
+
+from __future__ import annotations
+
+import torch
+
+from app.kv_package import KVLayout
+
+
+class PrefillCollector:
+    """Cache stand-in for prefill: keeps each layer's new keys/values and attends over them,
+    after the row's earlier positions (``past``: per layer ``[B, kv_heads, P, head_dim]``
+    keys and values) when the pass continues prompts whose start is already computed."""
+
+    def __init__(self, num_layers: int,
+                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.past = past
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key_states: [B, kv_heads, S, head_dim]
+        self.keys[layer_idx] = key_states
+        self.values[layer_idx] = value_states
+        if self.past is None:
+            return key_states, value_states
+        past_k, past_v = self.past[layer_idx]
+        return (torch.cat([past_k.to(key_states), key_states], dim=2),
+                torch.cat([past_v.to(value_states), value_states], dim=2))
+
+
+def past_mask(starts: list[int], seq: int) -> torch.Tensor:
+    """[B, 1, S, Pmax + S] bool: row i's query q sees its own ``starts[i]`` earlier
+    positions (the rest of the padded past is masked) and its new tokens up to q."""
+    pmax = max(starts)
+    q = torch.arange(seq)[:, None]
+    k = torch.arange(pmax + seq)[None, :]
+    own_new = (k >= pmax) & (k - pmax <= q)  # [S, Pmax + S]
+    own_past = k[None] < torch.tensor(starts)[:, None, None]  # [B, 1, Pmax + S]
+    return (own_new[None] | own_past)[:, None]
+
+
+def padded_past(past: list[torch.Tensor | None], starts: list[int], layout: KVLayout,
+                dtype: torch.dtype, kv_device: torch.device,
+                layer_devices: list[torch.device]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) ``[B, kv_heads, Pmax, head_dim]``, each on its layer's
+    device, a shorter row zero-padded at the end (masked out)."""
+    pmax = max(starts)
+    padded = torch.zeros((layout.num_layers, 2, len(starts), layout.num_kv_heads, pmax,
+                          layout.head_dim), dtype=dtype, device=kv_device)
+    for i, kv in enumerate(past):
+        if kv is not None:
+            padded[:, :, i, :, : starts[i]] = kv.to(kv_device, dtype)
+    return [(padded[li, 0].to(dev), padded[li, 1].to(dev))
+            for li, dev in enumerate(layer_devices)]
