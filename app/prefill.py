@@ -151,7 +151,6 @@ class Prefiller:
         cfg = runner.config
         # which prompts and chunks each pass takes: the policy the planner's simulator runs
         self.policy = PrefillPolicy.from_config(cfg)
-        self.chunk_tokens = cfg.prefill_chunk_tokens
         # more threads for a pass while the machine's other cores are idle (app.idle_cores)
         base = cfg.num_threads or torch.get_num_threads()
         self.idle_cores = (IdleCores(base, max(base, cfg.prefill_max_threads))

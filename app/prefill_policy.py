@@ -62,6 +62,11 @@ class PrefillPolicy:
     def chunk_of(self, job: Job) -> int:
         return min(job.remaining, self.chunk_tokens)
 
+    def extra_lane_takes(self, job: Job) -> bool:
+        """A prefill replica's extra lanes (``prefill_lanes`` > 1) take long prompts only:
+        at least half a chunk left."""
+        return 2 * job.remaining >= self.chunk_tokens
+
     def full(self, tokens: int) -> bool:
         """A pass (or a step's chunks) holding ``tokens`` takes no more prompts
         (``prefill_batch_tokens``)."""

@@ -220,7 +220,7 @@ class PrefillQueue:
             if free:
                 jobs = self._free_jobs()
                 if free[0] > 0:  # an extra lane: long prompts only
-                    jobs = [j for j in jobs if 2 * j.remaining >= self.prefiller.chunk_tokens]
+                    jobs = [j for j in jobs if self.prefiller.policy.extra_lane_takes(j)]
                 rows = self._plan(jobs) if jobs else []
             if rows:
                 lane = free[0]

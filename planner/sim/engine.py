@@ -148,8 +148,6 @@ class _PrefillQueue:
     def __init__(self, device: DeviceProfile, limits: EngineLimits) -> None:
         self.device, self.limits = device, limits
         self.policy = limits.prefill_policy()
-        self.chunk_tokens = limits.prefill_chunk_tokens
-        self.pass_tokens = limits.pass_tokens
         # live prompts by (remaining, queued_at, uid): shortest remaining first
         self._order: list[tuple[int, float, int, _Req]] = []
         self._by_age: deque[_Req] = deque()  # arrival order; finished ones dropped lazily

@@ -120,8 +120,8 @@ class _SplitRun:
         while self.passes(i) < self.limits.prefill_lanes:
             lane = self.lane_busy[i].index(False)
             busy: Collection[_Req] = self.in_pass[i]
-            if lane > 0:  # an extra lane takes long prompts only (at least half a chunk)
-                busy = busy | {e[3] for e in q._order if 2 * e[3].remaining < q.chunk_tokens}
+            if lane > 0:  # an extra lane takes long prompts only (PrefillPolicy)
+                busy = busy | {e[3] for e in q._order if not q.policy.extra_lane_takes(e[3])}
             rows = q.plan(self.clock.now, busy)
             if not rows:
                 break
