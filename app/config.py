@@ -196,6 +196,12 @@ class EngineConfig:
     """A Llama-style model with panel-packed linears and in-place attention runs each decode
     step's layers as one call to the engine's C kernel (app.fused_decode). False: through the
     model's modules."""
+    fused_layers: bool = True
+    """A Llama-style model with panel-packed linears runs each layer of a prefill or mixed
+    pass as two calls to the engine's C kernel around its attention (app.fused_layers:
+    RMSNorm, one q/k/v product and rotary embedding; the output product, RMSNorm, one
+    gate/up product, SiLU and down, with the residuals). False: through the model's
+    modules."""
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":

@@ -56,10 +56,10 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "panel_bf16dp.c", "panel_i8dp.c",
                                           "paged_attention.c", "decode_step.c",
-                                          "prefill_attention.c"))
+                                          "prefill_layer.c", "prefill_attention.c"))
 HEADER = _CSRC / "kernels.h"  # every exported function: the bindings are read from it
-HEADERS = (HEADER, *(_CSRC / name for name in ("vec_math.h", "panel_body.h",
-                                                 "panel_body512.h")))
+HEADERS = (HEADER, *(_CSRC / name for name in ("vec_math.h", "layer_ops.h",
+                                                 "panel_body.h", "panel_body512.h")))
 # the instructions the build targets (-m...): what a CPU needs to load the library at all;
 # AVX-512, AVX512-BF16 and VNNI paths are chosen at run time by the CPU's own flags
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",

@@ -45,10 +45,9 @@ def _linear(layer, path):
     return getattr(getattr(layer, path[0], None), path[1], None)
 
 
-def fused_decode_unavailable(model: torch.nn.Module, inplace_attention: bool) -> str | None:
-    """Why ``model``'s decode steps cannot run as one kernel call, or None when they can."""
-    if not inplace_attention:
-        return "decode attention does not read the pool in place"
+def fused_layers_unavailable(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s layers cannot run in the engine's fused layer kernels (the decode step
+    here, prefill and mixed passes in ``app.fused_layers``), or None when they can."""
     cfg = model.config
     layers = list(model.model.layers)
     names = {type(layer).__name__ for layer in layers}
@@ -80,6 +79,13 @@ def fused_decode_unavailable(model: torch.nn.Module, inplace_attention: bool) ->
     return None
 
 
+def fused_decode_unavailable(model: torch.nn.Module, inplace_attention: bool) -> str | None:
+    """Why ``model``'s decode steps cannot run as one kernel call, or None when they can."""
+    if not inplace_attention:
+        return "decode attention does not read the pool in place"
+    return fused_layers_unavailable(model)
+
+
 def _side_by_side(linears: list[PanelLinear]
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One panel buffer for several products over the same input, the products' outputs
@@ -101,10 +107,34 @@ def _side_by_side(linears: list[PanelLinear]
     return whole, bias.float().contiguous(), scales
 
 
+def layer_weights(model: torch.nn.Module) -> list[list[torch.Tensor | None]]:
+    """Per layer, the tensors the fused kernels read, in decode_step.c's order (its enum, up
+    to the KV pool): the norms' weights (float32), the q/k/v and gate/up panels side by side
+    (the layers' own panels become views of them), the output and down panels, biases and
+    int8 scales (None where absent). Built once a model: the decode step and the prefill
+    layers share it."""
+    tables: list[list[torch.Tensor | None]] = []
+    for layer in model.model.layers:
+        qkv, qkv_bias, qkv_scale = _side_by_side([layer.self_attn.q_proj,
+                                                  layer.self_attn.k_proj,
+                                                  layer.self_attn.v_proj])
+        gate_up, gate_up_bias, gate_up_scale = _side_by_side([layer.mlp.gate_proj,
+                                                              layer.mlp.up_proj])
+        o, down = layer.self_attn.o_proj, layer.mlp.down_proj
+        tables.append([
+            layer.input_layernorm.weight.detach().float().contiguous(), qkv, qkv_bias,
+            o.panels, o._bias,
+            layer.post_attention_layernorm.weight.detach().float().contiguous(),
+            gate_up, gate_up_bias, down.panels, down._bias,
+            qkv_scale, o.weight_scale, gate_up_scale, down.weight_scale])
+    return tables
+
+
 class FusedDecode:
     """Decode steps of a Llama-style model as one call to ``decode_step.c``."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module,
+                 weights: list[list[torch.Tensor | None]] | None = None) -> None:
         self._lib = load_kernel()
         cfg = model.config
         layers = list(model.model.layers)
@@ -119,24 +149,11 @@ class FusedDecode:
         self.final_norm = model.model.norm.weight.detach().float().contiguous()
         self.lm_head = model.lm_head
         self.vocab = model.lm_head.out_features
-        # per layer, what decode_step.c's pointer table holds, in its order, but the KV pool
-        # (its last two); held here: the table points into them
-        self._weights: list[list[torch.Tensor | None]] = []
         self.weights = self.lm_head.weights
         self.wtype = WTYPES[self.weights]
-        for layer in layers:
-            qkv, qkv_bias, qkv_scale = _side_by_side([layer.self_attn.q_proj,
-                                                      layer.self_attn.k_proj,
-                                                      layer.self_attn.v_proj])
-            gate_up, gate_up_bias, gate_up_scale = _side_by_side([layer.mlp.gate_proj,
-                                                                  layer.mlp.up_proj])
-            o, down = layer.self_attn.o_proj, layer.mlp.down_proj
-            self._weights.append([
-                layer.input_layernorm.weight.detach().float().contiguous(), qkv, qkv_bias,
-                o.panels, o._bias,
-                layer.post_attention_layernorm.weight.detach().float().contiguous(),
-                gate_up, gate_up_bias, down.panels, down._bias,
-                qkv_scale, o.weight_scale, gate_up_scale, down.weight_scale])
+        # per layer, what decode_step.c's pointer table holds, in its order, but the KV pool
+        # (its last two); held here: the table points into them
+        self._weights = layer_weights(model) if weights is None else weights
         assert self._lib.decode_step_layer_ptrs() == len(self._weights[0]) + 2
         self._table: ctypes.Array | None = None
         self._table_cache: PagedKVCache | None = None

@@ -44,7 +44,13 @@ from app.attention import (
     serving_sdpa_backends,
 )
 from app.config import EngineConfig, dtype_name
-from app.fused_decode import FusedDecode, fused_decode_unavailable
+from app.fused_decode import (
+    FusedDecode,
+    fused_decode_unavailable,
+    fused_layers_unavailable,
+    layer_weights,
+)
+from app.fused_layers import FusedLayers
 from app.kv_cache import PagedKVCache, layer_spans
 from app.kv_package import KVLayout
 from app.model_loader import ModelShape, check_architecture
@@ -137,11 +143,18 @@ class ModelRunner:
         self.prefill_attention_reason = reason or prefill_attention_unavailable(
             self.dtype, devices, self.shape.head_dim, config.resolved_cache_dir)
         self.prefill_kernel = self.prefill_attention_reason is None
-        # and the whole decode step in one kernel call where the model is one it computes
+        # the layers of other passes in two kernel calls each, and the whole decode step in
+        # one, where the model is one they compute (one weight table for both)
+        reason = None if config.fused_layers else "turned off (fused_layers: false)"
+        self.fused_layers_reason = reason or fused_layers_unavailable(self.model)
         reason = None if config.fused_decode else "turned off (fused_decode: false)"
         self.fused_reason = reason or fused_decode_unavailable(self.model,
                                                                self.inplace_attention)
-        self.fused = FusedDecode(self.model) if self.fused_reason is None else None
+        weights = (layer_weights(self.model) if None in (self.fused_reason,
+                                                         self.fused_layers_reason) else None)
+        self.fused = FusedDecode(self.model, weights) if self.fused_reason is None else None
+        self.fused_layers = (FusedLayers(self.model, weights)
+                             if self.fused_layers_reason is None else None)
 
     def _log_paths(self) -> None:
         """Each part's path at start-up: a slow path the config did not ask for is a WARNING
@@ -149,7 +162,9 @@ class ModelRunner:
         for part, why, slow in (
                 ("decode attention", self.inplace_reason, "a gathered copy and SDPA"),
                 ("prefill attention", self.prefill_attention_reason, "the model's SDPA"),
-                ("decode steps", self.fused_reason, "the model's modules")):
+                ("decode steps", self.fused_reason, "the model's modules"),
+                ("prefill and mixed passes' layers", self.fused_layers_reason,
+                 "the model's modules")):
             if why is None:
                 logger.info("%s run in the engine's kernels", part)
             else:
@@ -162,7 +177,8 @@ class ModelRunner:
         return {"linear": f"panels_{kind}" if kind else "torch",
                 "decode_attention": "kernel" if self.inplace_attention else "torch",
                 "prefill_attention": "kernel" if self.prefill_kernel else "torch",
-                "decode_step": "fused" if self.fused is not None else "modules"}
+                "decode_step": "fused" if self.fused is not None else "modules",
+                "pass_layers": "fused" if self.fused_layers is not None else "modules"}
 
     def _layers_forward(self, hidden, position_ids, mask, cache,
                         **attention_kwargs) -> torch.Tensor:
@@ -177,6 +193,13 @@ class ModelRunner:
                                       position_ids.to(self._rotary_device))
         else:
             cos_sin = self.rotary_emb(hidden, position_ids)
+        fused = self.fused_layers
+        if fused is not None and not self.multi_device and fused.serves(hidden):
+            rotary = fused.rotary(cos_sin)
+            for index in range(len(self.layers)):
+                hidden = fused.layer(index, hidden, rotary, mask, cache, **attention_kwargs)
+                yield index + 1
+            return hidden
         for index, (layer, device) in enumerate(zip(self.layers, self.layer_devices,
                                                     strict=True)):
             if self.multi_device and hidden.device != device:

@@ -159,7 +159,8 @@ class KernelMetrics(_Metrics):
         super().__init__(model_name)
         self.path = self.gauge("splitserve_kernel_path", "1 for the path each engine part "
                                "runs: kind (linear, decode_attention, prefill_attention, "
-                               "decode_step) and path (e.g. kernel, torch, fused, modules).",
+                               "decode_step, pass_layers) and path (e.g. kernel, torch, "
+                               "fused, modules).",
                                ("kind", "path"))
 
     def record(self, paths: dict[str, str]) -> None:

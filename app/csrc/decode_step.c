@@ -31,7 +31,7 @@
 #include <string.h>
 
 #include "kernels.h"
-#include "vec_math.h"
+#include "layer_ops.h"
 
 enum {
     IN_NORM,   /* [hidden] */
@@ -54,57 +54,6 @@ enum {
 };
 
 long decode_step_layer_ptrs(void) { return LAYER_PTRS; }
-
-/* out[i] = w * (x[i] * rsqrt(mean(x[i]^2) + eps)) for each of m rows of h values. */
-static void rms_norm(const float *x, long m, long h, const float *w, float eps, float *out) {
-    for (long i = 0; i < m; i++) {
-        const float *xi = x + i * h;
-        float *oi = out + i * h;
-        __m256 acc = _mm256_setzero_ps();
-        long d = 0;
-        for (; d + 8 <= h; d += 8) {
-            __m256 v = _mm256_loadu_ps(xi + d);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        float sum = hsum8(acc);
-        for (; d < h; d++) sum += xi[d] * xi[d];
-        float r = 1.0f / sqrtf(sum / (float)h + eps);
-        for (d = 0; d < h; d++) oi[d] = w[d] * (xi[d] * r);
-    }
-}
-
-/* Rotary embedding in place on `heads` heads of hd values: x * cos + rotate_half(x) * sin. */
-static void rope(float *x, long heads, long hd, const float *cos, const float *sin) {
-    long half = hd / 2;
-    for (long h = 0; h < heads; h++) {
-        float *v = x + h * hd;
-        for (long d = 0; d < half; d++) {
-            float a = v[d], b = v[d + half];
-            v[d] = a * cos[d] - b * sin[d];
-            v[d + half] = b * cos[d + half] + a * sin[d + half];
-        }
-    }
-}
-
-/* act[i] = silu(gate[i]) * up[i] over m rows, gate and up side by side in gu [m, 2 * inter]. */
-static void silu_mul(const float *gu, long m, long inter, float *act) {
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    for (long i = 0; i < m; i++) {
-        const float *g = gu + i * 2 * inter, *u = g + inter;
-        float *a = act + i * inter;
-        long d = 0;
-        for (; d + 8 <= inter; d += 8) {
-            __m256 gv = _mm256_loadu_ps(g + d);
-            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
-            _mm256_storeu_ps(a + d, _mm256_mul_ps(s, _mm256_loadu_ps(u + d)));
-        }
-        for (; d < inter; d++) a[d] = g[d] / (1.0f + expf(-g[d])) * u[d];
-    }
-}
-
-static void add_into(float *x, const float *y, long n) {
-    for (long i = 0; i < n; i++) x[i] += y[i];
-}
 
 /* hidden [m, H] (updated in place) through n_layers layers; then, when head is not NULL,
    the final norm and the LM head's product into logits [m, vocab]. cos, sin: [m, hd].

@@ -74,6 +74,17 @@ int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hs
                 const float *head, const float *head_bias, long vocab, float *logits,
                 int threads, int wtype, const float *head_scale);
 
+/* prefill_layer.c: a Llama-style layer of a prefill or mixed pass, around its attention */
+int layer_qkv(const float *hidden, long m, long hsize, const float *norm_w, float eps,
+              const void *qkv_panels, int wtype, const float *qkv_scale, const float *qkv_bias,
+              long heads, long kv_heads, long hd, const float *cos, const float *sin,
+              float *xn, float *qkv, int threads);
+int layer_mlp(float *hidden, long m, long hsize, const float *att, long nq, const void *o,
+              const float *o_scale, const float *o_bias, const float *post_norm, float eps,
+              const void *gate_up, const float *gate_up_scale, const float *gate_up_bias,
+              long inter, const void *down, const float *down_scale, const float *down_bias,
+              int wtype, float *scratch, int threads);
+
 /* prefill_attention.c: causal attention of a pass's new tokens over their past */
 int prefill_attention(const float *q, long qsb, long qsh, long qss,
                       const float *k, long ksb, long ksh, long kss,

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 def _runner(fused: bool, **overrides) -> ModelRunner:
     model = make_tiny_model(seed=3, **overrides)
     pack_linears(model, layout="panels")
-    return ModelRunner(model, EngineConfig(fused_decode=fused))
+    return ModelRunner(model, EngineConfig(fused_decode=fused, fused_layers=fused))
 
 
 def _steps(runner: ModelRunner, prompts: list[list[int]], steps: int):

@@ -229,10 +229,12 @@ def test_each_engine_part_s_path_is_a_gauge(records, tiny_model):
 
     paths = ModelRunner(tiny_model, EngineConfig(pack_weights=False)).kernel_paths()
     assert paths["linear"] == "torch" and paths["decode_step"] == "modules"
+    assert paths["pass_layers"] == "modules"
     metrics.KernelMetrics(MODEL).record(paths)
     assert _values("splitserve_kernel_path", kind="linear", path="torch") == [1]
     assert _values("splitserve_kernel_path", kind="decode_step", path="modules") == [1]
-    assert len(RECORDS["splitserve_kernel_path"]) == 4
+    assert _values("splitserve_kernel_path", kind="pass_layers", path="modules") == [1]
+    assert len(RECORDS["splitserve_kernel_path"]) == 5
 
 
 async def test_decode_server_records_the_kv_hop(records):

@@ -1,0 +1,140 @@
+"""Prefill and mixed passes on the engine, per variant: what the fused layers
+(``app.fused_layers``, ``engine.fused_layers``) and the dtype do to a pass's time.
+
+Prints, per variant, the median (min-max) over interleaved rounds of:
+
+* ``whole1024_ms``: one 1,024-token prompt in one prefill pass (``forward_prefill``);
+* ``chunked1024_ms``: the same prompt in four 256-token passes, each continuing over the
+  KV of the ones before (how the split's prefill replica and the colocated app chunk it);
+* ``mixed_ms``: one mixed pass (``forward_mixed``): 8 decode rows at 64-token contexts and a
+  248-token prompt chunk, the colocated app's pass while streams run;
+
+and, for a variant ``X`` run beside ``X+modules`` (the same engine with ``fused_layers:
+false``: the model's modules around the same kernels), the ratio X / X+modules per round.
+Variants: ``dtype[+modules]`` with dtype float32, bfloat16 (bf16 panels) or auto.
+
+    python -m load_tests.pass_bench [--threads 2] [--rounds 5]
+        [--variants bfloat16,bfloat16+modules,float32,float32+modules] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from app.config import DEFAULT_MODEL, EngineConfig, cpu_flags
+from app.engine_core import EngineCore
+
+PROMPT, CHUNK, ROWS, CONTEXT = 1024, 256, 8, 64
+FIGURES = ("whole1024_ms", "chunked1024_ms", "mixed_ms")
+
+
+class Variant:
+    def __init__(self, name: str, threads: int) -> None:
+        dtype, *flags = name.split("+")
+        if set(flags) - {"modules"}:
+            raise ValueError(f"variant {name!r}: unknown flags {sorted(set(flags) - {'modules'})}")
+        self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype, num_threads=threads,
+                                            fused_layers="modules" not in flags))
+        self.runner = self.core.runner
+        rng = random.Random(1)
+        self.prompt = [rng.randrange(100, 20000) for _ in range(PROMPT)]
+        self.cache = self.runner.make_kv_cache(ROWS * (CONTEXT // 16 + 2), 16)
+        self.tables = [list(range(i * (CONTEXT // 16 + 2), (i + 1) * (CONTEXT // 16 + 2)))
+                       for i in range(ROWS)]
+        _, kvs = self.runner.forward_prefill([self.prompt[i * 8 : i * 8 + CONTEXT]
+                                              for i in range(ROWS)])
+        for table, kv in zip(self.tables, kvs, strict=True):
+            self.cache.write(table, kv)
+        self.rows: dict[str, list[float]] = {f: [] for f in FIGURES}
+
+    def _chunked(self) -> None:
+        past = None
+        for start in range(0, PROMPT, CHUNK):
+            _, [kv] = self.runner.forward_prefill([self.prompt[start : start + CHUNK]], [past])
+            past = kv if past is None else torch.cat([past, kv], dim=3)
+
+    def _mixed(self) -> None:
+        self.runner.forward_mixed(self.cache, self.tables, [5] * ROWS, [CONTEXT] * ROWS,
+                                  [self.prompt[: CHUNK - ROWS]])
+
+    def round(self) -> None:
+        for figure, fn in (("whole1024_ms", lambda: self.runner.forward_prefill([self.prompt])),
+                           ("chunked1024_ms", self._chunked), ("mixed_ms", self._mixed)):
+            start = time.perf_counter()
+            fn()
+            self.rows[figure].append((time.perf_counter() - start) * 1e3)
+
+
+def measure(names: list[str], threads: int, rounds: int) -> dict[str, dict]:
+    torch.set_num_threads(threads)
+    variants = {name: Variant(name, threads) for name in names}
+    for v in variants.values():  # a warm-up round each
+        v.round()
+        v.rows = {f: [] for f in FIGURES}
+    for _ in range(rounds):
+        for v in variants.values():
+            v.round()
+    out: dict[str, dict] = {}
+    for name, v in variants.items():
+        fig: dict = {"paths": v.runner.kernel_paths()}
+        for f, xs in v.rows.items():
+            fig[f] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+        base = variants.get(f"{name}+modules")
+        if base is not None:
+            for f in FIGURES:
+                ratios = [a / b for a, b in zip(v.rows[f], base.rows[f], strict=True)]
+                fig[f"{f}_over_modules"] = {"median": statistics.median(ratios),
+                                            "min": min(ratios), "max": max(ratios)}
+        out[name] = fig
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (else the machine's architecture)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="bfloat16,bfloat16+modules,float32,float32+modules")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    flags = sorted(f for f in (cpu_flags() or ()) if f.startswith(("avx", "amx", "fma")))
+    print(f"CPU: {cpu_model()}; flags: {' '.join(flags)}; "
+          f"threads {args.threads}, {args.rounds} rounds")
+    result = measure(args.variants.split(","), args.threads, args.rounds)
+    for name, fig in result.items():
+        cells = [f"{f} {fig[f]['median']:.0f} ({fig[f]['min']:.0f}-{fig[f]['max']:.0f})"
+                 for f in FIGURES]
+        print(f"{name:>20}: " + ", ".join(cells))
+        for f in FIGURES:
+            r = fig.get(f"{f}_over_modules")
+            if r:
+                print(f"{'':>22}{f} / +modules: {r['median']:.2f}x "
+                      f"({r['min']:.2f}-{r['max']:.2f})")
+    if args.json:
+        args.json.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds,
+                                         "cpu": cpu_model(), "cpu_flags": flags,
+                                         "variants": result}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

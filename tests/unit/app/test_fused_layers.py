@@ -1,0 +1,137 @@
+"""Prefill and mixed passes' layers in two calls each to the engine's C kernel
+(app.fused_layers, app/csrc/prefill_layer.c): the logits and KV the model's own modules give,
+row values that do not depend on the rest of the pass, a clear reason wherever a model's
+passes run through its modules, and entry points that refuse bad arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app import cpu_kernels
+from app.config import EngineConfig
+from app.engine_core import EngineCore
+from app.model_runner import ModelRunner
+from app.packed_linear import pack_linears
+from tests.conftest import make_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.cpu_unsupported() is not None or cpu_kernels._compiler() is None,
+    reason=f"{cpu_kernels.cpu_unsupported() or 'no C compiler'}")
+
+BIASES = {"attention_bias": True, "mlp_bias": True}
+
+
+def _runner(fused: bool, weights: str = "float32", **overrides) -> ModelRunner:
+    model = make_tiny_model(seed=4, **overrides)
+    pack_linears(model, layout="panels", weights=weights)
+    return ModelRunner(model, EngineConfig(fused_layers=fused))
+
+
+def _chunked(runner: ModelRunner, prompts: list[list[int]], chunk: int):
+    """Each prompt prefilled in chunks of ``chunk`` tokens, all rows in one pass per chunk:
+    every pass's logits, and each prompt's whole KV."""
+    kvs: list[torch.Tensor | None] = [None] * len(prompts)
+    logits = []
+    for start in range(0, max(map(len, prompts)), chunk):
+        rows = [i for i, p in enumerate(prompts) if len(p) > start]
+        out, new = runner.forward_prefill([prompts[i][start : start + chunk] for i in rows],
+                                          [kvs[i] for i in rows])
+        logits.append(out)
+        for i, kv in zip(rows, new, strict=True):
+            kvs[i] = kv if kvs[i] is None else torch.cat([kvs[i], kv], dim=3)
+    return logits, kvs
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("extra", [{}, BIASES], ids=["no-bias", "biases"])
+def test_fused_prefill_gives_the_logits_and_kv_of_the_models_modules(threads, extra):
+    """Rows of different lengths (one 1 token, one of 70: above the kernel's parallel
+    threshold), whole and in chunks that continue over their past."""
+    fused, plain = _runner(True, **extra), _runner(False, **extra)
+    assert fused.fused_layers is not None and plain.fused_layers is None
+    assert "turned off" in plain.fused_layers_reason
+    prompts = [[5, 9, 33, 100, 7], list(range(40, 110)), [8], [300, 41, 8, 2, 2, 17, 90]]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for chunk in (128, 16):
+            got, got_kv = _chunked(fused, prompts, chunk)
+            want, want_kv = _chunked(plain, prompts, chunk)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+                assert torch.equal(a.argmax(-1), b.argmax(-1))
+            for a, b in zip(got_kv, want_kv, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_fused_prefill_reads_the_same_panels_for_other_weight_kinds(weights):
+    fused, plain = _runner(True, weights), _runner(False, weights)
+    prompts = [list(range(3, 60)), [11, 12, 13]]
+    got, got_kv = fused.forward_prefill(prompts)
+    want, want_kv = plain.forward_prefill(prompts)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got_kv, want_kv, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_rows_values_do_not_depend_on_the_rest_of_the_pass():
+    runner = _runner(True)
+    prompt = list(range(200, 241))
+    alone, alone_kv = runner.forward_prefill([prompt])
+    batch, batch_kv = runner.forward_prefill([[7] * 64, prompt, list(range(5, 90))])
+    assert torch.equal(alone[0], batch[1])
+    assert torch.equal(alone_kv[0], batch_kv[1])
+
+
+def test_a_mixed_pass_gives_what_the_models_modules_give():
+    """Two decode rows over the paged pool and two chunks (one continuing its past) in one
+    pass: the same logits and chunk KV through the fused layers as through the modules."""
+    prompts = [[5, 9, 33, 100, 7, 8], list(range(60, 90))]
+    results = []
+    for on in (True, False):
+        runner = _runner(on)
+        cache = runner.make_kv_cache(32, 4)
+        tables = [list(range(0, 4)), list(range(4, 12))]
+        _, kvs = runner.forward_prefill(prompts)
+        for table, kv in zip(tables, kvs, strict=True):
+            cache.write(table, kv)
+        _, past = runner.forward_prefill([list(range(100, 140))])
+        results.append(runner.forward_mixed(
+            cache, tables, [3, 4], [len(p) for p in prompts],
+            [list(range(140, 170)), list(range(300, 340))], [past[0], None]))
+    (dec_a, chunk_a, kv_a), (dec_b, chunk_b, kv_b) = results
+    torch.testing.assert_close(dec_a, dec_b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chunk_a, chunk_b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(kv_a, kv_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("config", "layout", "overrides", "reason"), [
+    ({"fused_layers": False}, "panels", {}, "turned off"),
+    ({}, "onednn", {}, "panel-packed"),
+    ({}, "panels", {"hidden_act": "gelu"}, "activation"),
+])
+def test_a_model_the_kernel_does_not_compute_runs_its_passes_through_its_modules(
+        config, layout, overrides, reason):
+    model = make_tiny_model(seed=1, **overrides)
+    pack_linears(model, layout=layout)
+    runner = EngineCore(EngineConfig(**config), model=model).runner
+    assert runner.fused_layers is None
+    assert reason in runner.fused_layers_reason
+    assert runner.kernel_paths()["pass_layers"] == "modules"
+
+
+def test_the_layer_entry_points_refuse_bad_shapes():
+    runner = _runner(True)
+    layers = runner.fused_layers
+    hidden = torch.zeros((0, 1, layers.hidden))  # no rows
+    rotary = (torch.zeros((0, layers.head_dim)), torch.zeros((0, layers.head_dim)))
+    with pytest.raises(cpu_kernels.KernelError, match="layer_qkv"):
+        layers.layer(0, hidden, rotary, None, None)
+    lib = cpu_kernels.load_kernel()
+    assert lib.layer_mlp(None, 4, 64, None, 64, None, None, None, None, 1e-5, None, None, None,
+                         128, None, None, None, 0, None, 1) == -3  # SK_BAD_SHAPE
