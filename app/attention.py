@@ -25,7 +25,7 @@ that head's query positions (``[rows, kv_heads, group, head_dim]``).
 
 A mixed pass (:class:`MixedStep`, the colocated engine's mixed batching) is one sequence of
 tokens: the decode rows' tokens attend as above, then each prompt chunk attends its own
-earlier positions and itself with the model's SDPA, as a prefill pass attends it.
+earlier positions and itself as a prefill pass attends it (``app.prefill_attention``).
 
 Registered with transformers as the attention implementation ``splitserve_paged``: any pass
 without a :class:`PagedDecodeStep` or :class:`MixedStep` (prefill, ``generate()``) runs the
@@ -44,6 +44,7 @@ from transformers.masking_utils import sdpa_mask
 
 from app.cpu_kernels import assert_kernel_tensors, check, kernel_unavailable, load_kernel
 from app.kv_cache import PagedKVCache
+from app.prefill_attention import PrefillSpan, _kernel_prefill_attention, _kernel_serves
 
 PAGED_ATTENTION = "splitserve_paged"
 
@@ -128,20 +129,6 @@ class PagedCacheView:
 
 
 @dataclass(slots=True)
-class PrefillSpan:
-    """What a prefill pass's layers share when its attention runs in the engine's kernel
-    (``app/csrc/prefill_attention.c``): the keys are a padded past of ``pmax`` positions
-    (row ``i``'s first ``starts[i]`` real) followed by the pass's own, causally."""
-
-    starts: torch.Tensor  # [B] int64
-    pmax: int
-
-    @classmethod
-    def build(cls, starts: list[int]) -> PrefillSpan:
-        return cls(torch.tensor(starts, dtype=torch.long), max(starts, default=0))
-
-
-@dataclass(slots=True)
 class MixedStep:
     """What every layer of one mixed pass shares: the pass is one sequence of tokens, first
     one token for each of ``rows`` decode rows (``decode``: their paged step), then prompt
@@ -156,15 +143,17 @@ class MixedStep:
     # the layer in progress: (decode keys, values) gathered from the pool, and per chunk its
     # (keys, values) over past + chunk; set by MixedCacheView.update, read by the attention
     current: tuple | None = None
-    # the chunks attend through the engine's prefill attention kernel (else the model's SDPA);
-    # then, per chunk, its past length as the kernel reads it ([1] int64), built once per pass
+    # the chunks attend through the engine's prefill attention kernel (else the model's SDPA),
+    # with bf16 products where prefill_bf16; then, per chunk, its past length as the kernel
+    # reads it ([1] int64), built once per pass
     prefill_kernel: bool = False
     kernel_starts: list[torch.Tensor] | None = None
+    prefill_bf16: bool = False
 
     @classmethod
     def build(cls, cache: PagedKVCache, tables: list[list[int]], positions: list[int],
               chunk_lens: list[int], past_lens: list[int],
-              prefill_kernel: bool = False) -> MixedStep:
+              prefill_kernel: bool = False, prefill_bf16: bool = False) -> MixedStep:
         masks: list[torch.Tensor | None] = []
         for n, p in zip(chunk_lens, past_lens, strict=True):
             if p == 0:
@@ -179,7 +168,8 @@ class MixedStep:
             chunk_lens=chunk_lens, past_lens=past_lens, masks=masks,
             prefill_kernel=prefill_kernel,
             kernel_starts=([torch.tensor([p]) for p in past_lens] if prefill_kernel
-                           else None))
+                           else None),
+            prefill_bf16=prefill_bf16)
 
 
 class MixedCacheView:
@@ -238,20 +228,6 @@ def inplace_attention_unavailable(cache_dtype: torch.dtype, devices, head_dim: i
     return kernel_unavailable(cache_dir)
 
 
-def prefill_attention_unavailable(dtype: torch.dtype, devices, head_dim: int,
-                                  cache_dir=None) -> str | None:
-    """Why prefill passes (and the chunks of mixed passes) cannot attend through the engine's
-    kernel (``app/csrc/prefill_attention.c``: AVX-512 where the CPU has it, else AVX2), or
-    None when they can."""
-    if any(torch.device(d).type != "cpu" for d in devices):
-        return "the model is not on the CPU"
-    if dtype != torch.float32:
-        return "the model is not float32"
-    if head_dim % 16 or head_dim > 256:
-        return f"head_dim {head_dim} is not a multiple of 16 up to 256"
-    return kernel_unavailable(cache_dir)
-
-
 def serving_sdpa_backends(devices) -> str | None:
     """On a CUDA device, turn torch's cuDNN attention off for this process; returns why (or
     None where nothing changed). cuDNN builds an execution plan for each new shape, and a
@@ -263,39 +239,6 @@ def serving_sdpa_backends(devices) -> str | None:
     if torch.backends.cuda.cudnn_sdp_enabled():
         torch.backends.cuda.enable_cudnn_sdp(False)
     return "cuDNN attention off: it plans each new shape, and served shapes change every step"
-
-
-def _kernel_serves(query, key, kwargs) -> bool:
-    """A pass the prefill kernel computes as the model's SDPA would: float32 on the CPU, no
-    attention window shorter than the keys, no logit soft-capping."""
-    window = kwargs.get("sliding_window")
-    return (query.dtype == torch.float32 and key.dtype == torch.float32
-            and query.device.type == "cpu" and key.device.type == "cpu"
-            and (window is None or window >= key.shape[2])
-            and kwargs.get("softcap") is None)
-
-
-def _kernel_prefill_attention(query, key, value, starts: torch.Tensor, pmax: int, scaling):
-    """``query`` [B, heads, S, hd] over ``key``/``value`` [B, kv_heads, pmax + S, hd] (row
-    ``i`` sees its first ``starts[i]`` positions and, causally, the last S) -> the attention
-    output [B, S, heads, hd], the layout ``sdpa_attention_forward`` returns."""
-    bsz, heads, seq, head_dim = query.shape
-    kv_heads, total = key.shape[1], key.shape[2]
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    assert_kernel_tensors(starts=(starts, torch.long))  # q, k, v: strided, rows contiguous
-    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
-    assert k.shape == v.shape == (bsz, kv_heads, total, head_dim) and total == pmax + seq
-    assert starts.numel() == bsz, "starts: one a row"
-    out = torch.empty((bsz, seq, heads, head_dim), dtype=torch.float32)
-    rc = load_kernel().prefill_attention(
-        q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
-        k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-        v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
-        out.data_ptr(), out.stride(0), out.stride(2), out.stride(1),
-        bsz, heads, kv_heads, seq, total, head_dim, starts.data_ptr(), pmax,
-        head_dim ** -0.5 if scaling is None else float(scaling), torch.get_num_threads())
-    check(rc, "prefill_attention")
-    return out
 
 
 def _inplace_attention(query, keys, values, step: PagedDecodeStep, scaling):
@@ -364,7 +307,8 @@ def _mixed_attention(module, query, step: MixedStep, scaling, dropout, kwargs):
         q = query[:, :, start : start + n]
         if step.prefill_kernel and _kernel_serves(q, k, kwargs):
             outs.append(_kernel_prefill_attention(q, k, v, step.kernel_starts[i],
-                                                  step.past_lens[i], scaling))
+                                                  step.past_lens[i], scaling,
+                                                  step.prefill_bf16))
             start += n
             continue
         mask = step.masks[i]
@@ -388,7 +332,7 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling=None, 
         return _mixed_attention(module, query, mixed_step, scaling, dropout, kwargs)
     if prefill_span is not None and _kernel_serves(query, key, kwargs):
         return _kernel_prefill_attention(query, key, value, prefill_span.starts,
-                                         prefill_span.pmax, scaling), None
+                                         prefill_span.pmax, scaling, prefill_span.bf16), None
     if paged_step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)

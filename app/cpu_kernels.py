@@ -56,7 +56,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "panel_bf16dp.c", "panel_i8dp.c",
                                           "paged_attention.c", "decode_step.c",
-                                          "prefill_layer.c", "prefill_attention.c"))
+                                          "prefill_layer.c", "prefill_attention.c",
+                                          "prefill_attention_bf16.c"))
 HEADER = _CSRC / "kernels.h"  # every exported function: the bindings are read from it
 HEADERS = (HEADER, *(_CSRC / name for name in ("vec_math.h", "layer_ops.h",
                                                  "panel_body.h", "panel_body512.h")))

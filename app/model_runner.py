@@ -38,9 +38,7 @@ from app.attention import (
     MixedStep,
     PagedCacheView,
     PagedDecodeStep,
-    PrefillSpan,
     inplace_attention_unavailable,
-    prefill_attention_unavailable,
     serving_sdpa_backends,
 )
 from app.config import EngineConfig, dtype_name
@@ -55,6 +53,11 @@ from app.kv_cache import PagedKVCache, layer_spans
 from app.kv_package import KVLayout
 from app.model_loader import ModelShape, check_architecture
 from app.packed_linear import weight_kind
+from app.prefill_attention import (
+    PrefillSpan,
+    bf16_attention_unavailable,
+    prefill_attention_unavailable,
+)
 from app.prefill_inputs import PrefillCollector, padded_past, past_mask
 
 logger = logging.getLogger(__name__)
@@ -143,6 +146,9 @@ class ModelRunner:
         self.prefill_attention_reason = reason or prefill_attention_unavailable(
             self.dtype, devices, self.shape.head_dim, config.resolved_cache_dir)
         self.prefill_kernel = self.prefill_attention_reason is None
+        # with bf16 products where the engine serves bf16 through the CPU's bf16 dot product
+        self.prefill_bf16 = (self.prefill_kernel
+                             and bf16_attention_unavailable(weight_kind(self.model)) is None)
         # the layers of other passes in two kernel calls each, and the whole decode step in
         # one, where the model is one they compute (one weight table for both)
         reason = None if config.fused_layers else "turned off (fused_layers: false)"
@@ -176,7 +182,8 @@ class ModelRunner:
         kind = weight_kind(self.model)
         return {"linear": f"panels_{kind}" if kind else "torch",
                 "decode_attention": "kernel" if self.inplace_attention else "torch",
-                "prefill_attention": "kernel" if self.prefill_kernel else "torch",
+                "prefill_attention": ("kernel_bf16" if self.prefill_bf16 else "kernel")
+                if self.prefill_kernel else "torch",
                 "decode_step": "fused" if self.fused is not None else "modules",
                 "pass_layers": "fused" if self.fused_layers is not None else "modules"}
 
@@ -273,7 +280,8 @@ class ModelRunner:
             collector.past = padded_past(past, starts, self.layout, self.dtype,
                                          self.kv_device, self.layer_devices)
         hidden = self.embed_tokens(ids)  # [B, S, H]
-        span = {"prefill_span": PrefillSpan.build(starts)} if self.prefill_kernel else {}
+        span = ({"prefill_span": PrefillSpan.build(starts, self.prefill_bf16)}
+                if self.prefill_kernel else {})
         hidden = yield from self._layers(hidden, positions, mask, collector, **span)
         last = torch.tensor(lens, device=hidden.device) - 1
         logits = self._logits(hidden[torch.arange(bsz, device=hidden.device), last])
@@ -350,7 +358,8 @@ class ModelRunner:
         ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, T]
         pos_t = torch.tensor([pos], dtype=torch.long, device=self.device)
         step = MixedStep.build(cache, tables, positions, lens, starts,
-                               prefill_kernel=self.prefill_kernel)
+                               prefill_kernel=self.prefill_kernel,
+                               prefill_bf16=self.prefill_bf16)
         # each chunk's past per layer, in the model's dtype on the layer's device
         layer_past = [
             None if kv is None else [

@@ -93,4 +93,12 @@ int prefill_attention(const float *q, long qsb, long qsh, long qss,
                       long batch, long heads, long kv_heads, long s, long t, long d,
                       const long *starts, long pmax, float scale, int threads);
 
+/* prefill_attention_bf16.c: the same with bf16 products (AVX512-BF16; SK_NO_ISA without) */
+int prefill_attention_bf16(const float *q, long qsb, long qsh, long qss,
+                           const float *k, long ksb, long ksh, long kss,
+                           const float *v, long vsb, long vsh, long vss,
+                           float *out, long osb, long osh, long oss,
+                           long batch, long heads, long kv_heads, long s, long t, long d,
+                           const long *starts, long pmax, float scale, int threads);
+
 #endif

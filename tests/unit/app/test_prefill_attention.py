@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from app import cpu_kernels
-from app.attention import _kernel_prefill_attention, prefill_attention_unavailable
 from app.config import EngineConfig
 from app.model_runner import ModelRunner
+from app.prefill_attention import _kernel_prefill_attention, prefill_attention_unavailable
 from tests.conftest import make_tiny_model
 
 _REASON = cpu_kernels.cpu_unsupported() or cpu_kernels.kernel_unavailable()
