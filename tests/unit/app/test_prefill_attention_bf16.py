@@ -86,8 +86,8 @@ def test_a_runner_serving_bf16_dot_product_panels_attends_with_bf16_products():
     # bf16 weights and attention against float32: close, not equal
     assert not torch.equal(la, lb)
     torch.testing.assert_close(la, lb, rtol=0.1, atol=0.3)
-    for a, b in zip(kva, kvb, strict=True):
-        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+    for a, b in zip(kva, kvb, strict=True):  # the KV: within a few bf16 roundings overall
+        assert ((a - b).norm() / b.norm()).item() < 0.02
 
 
 def test_only_bf16_dot_product_panels_take_bf16_attention():
