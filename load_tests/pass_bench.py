@@ -10,11 +10,14 @@ Prints, per variant, the median (min-max) over interleaved rounds of:
   248-token prompt chunk, the colocated app's pass while streams run;
 
 and, for a variant ``X`` run beside ``X+modules`` (the same engine with ``fused_layers:
-false``: the model's modules around the same kernels), the ratio X / X+modules per round.
-Variants: ``dtype[+modules]`` with dtype float32, bfloat16 (bf16 panels) or auto.
+false``: the model's modules around the same kernels) or ``X+fp32attn`` (prefill attention
+with float32 products where X takes bf16 ones: ``app.prefill_attention``), the ratio of X
+to it per round. Variants: ``dtype[+modules][+fp32attn]`` with dtype float32, bfloat16
+(bf16 panels) or auto.
 
     python -m load_tests.pass_bench [--threads 2] [--rounds 5]
-        [--variants bfloat16,bfloat16+modules,float32,float32+modules] [--json out.json]
+        [--variants bfloat16,bfloat16+fp32attn,bfloat16+modules,float32,float32+modules]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ FIGURES = ("whole1024_ms", "chunked1024_ms", "mixed_ms")
 class Variant:
     def __init__(self, name: str, threads: int) -> None:
         dtype, *flags = name.split("+")
-        if set(flags) - {"modules"}:
-            raise ValueError(f"variant {name!r}: unknown flags {sorted(set(flags) - {'modules'})}")
+        unknown = set(flags) - {"modules", "fp32attn"}
+        if unknown:
+            raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
         self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype, num_threads=threads,
                                             fused_layers="modules" not in flags))
         self.runner = self.core.runner
+        if "fp32attn" in flags:  # a benchmark's switch, not a setting: bf16 attention's cost
+            self.runner.prefill_bf16 = False
         rng = random.Random(1)
         self.prompt = [rng.randrange(100, 20000) for _ in range(PROMPT)]
         self.cache = self.runner.make_kv_cache(ROWS * (CONTEXT // 16 + 2), 16)
@@ -87,11 +93,13 @@ def measure(names: list[str], threads: int, rounds: int) -> dict[str, dict]:
         fig: dict = {"paths": v.runner.kernel_paths()}
         for f, xs in v.rows.items():
             fig[f] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-        base = variants.get(f"{name}+modules")
-        if base is not None:
+        for other in ("modules", "fp32attn"):
+            base = variants.get(f"{name}+{other}")
+            if base is None:
+                continue
             for f in FIGURES:
                 ratios = [a / b for a, b in zip(v.rows[f], base.rows[f], strict=True)]
-                fig[f"{f}_over_modules"] = {"median": statistics.median(ratios),
+                fig[f"{f}_over_{other}"] = {"median": statistics.median(ratios),
                                             "min": min(ratios), "max": max(ratios)}
         out[name] = fig
     return out
@@ -111,7 +119,8 @@ def cpu_model() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default="bfloat16,bfloat16+modules,float32,float32+modules")
+    parser.add_argument("--variants", default="bfloat16,bfloat16+fp32attn,bfloat16+modules,"
+                        "float32,float32+modules")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
@@ -124,11 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{f} {fig[f]['median']:.0f} ({fig[f]['min']:.0f}-{fig[f]['max']:.0f})"
                  for f in FIGURES]
         print(f"{name:>20}: " + ", ".join(cells))
-        for f in FIGURES:
-            r = fig.get(f"{f}_over_modules")
-            if r:
-                print(f"{'':>22}{f} / +modules: {r['median']:.2f}x "
-                      f"({r['min']:.2f}-{r['max']:.2f})")
+        for other in ("modules", "fp32attn"):
+            for f in FIGURES:
+                r = fig.get(f"{f}_over_{other}")
+                if r:
+                    print(f"{'':>22}{f} / +{other}: {r['median']:.2f}x "
+                          f"({r['min']:.2f}-{r['max']:.2f})")
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds,
                                          "cpu": cpu_model(), "cpu_flags": flags,
