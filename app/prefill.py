@@ -74,7 +74,13 @@ class PrefillJob:
     arrived: float = field(default_factory=time.monotonic)
     done: int = 0  # prompt positions whose KV exists (cached prefix + computed chunks)
     cached: int = 0  # of those, taken from the prefix cache
-    parts: list[torch.Tensor] = field(default_factory=list)  # KV, in order along positions
+    # KV along positions not yet in ``whole``, in order (a cached prefix's blocks, each
+    # pass's chunk)
+    parts: list[torch.Tensor] = field(default_factory=list)
+    # once the prompt's KV is in two parts: ``[layers, 2, kv_heads, num_tokens, head_dim]``,
+    # its first ``in_whole`` positions filled, each part copied in once (not every pass)
+    whole: torch.Tensor | None = None
+    in_whole: int = 0
     compute_s: float = 0.0
     passes: int = 0
     cancelled: bool = False
@@ -84,10 +90,20 @@ class PrefillJob:
         return self.req.num_tokens - self.done
 
     def kv(self) -> torch.Tensor | None:
-        """KV of positions ``0..done-1`` ``[layers, 2, kv_heads, done, head_dim]``."""
-        if len(self.parts) > 1:
-            self.parts = [torch.cat(self.parts, dim=3)]
-        return self.parts[0] if self.parts else None
+        """KV of positions ``0..done-1`` ``[layers, 2, kv_heads, done, head_dim]`` (a view
+        of ``whole`` once there were two parts; the whole tensor once the prompt is done)."""
+        if self.whole is None:
+            if len(self.parts) <= 1:
+                return self.parts[0] if self.parts else None
+            shape = list(self.parts[0].shape)
+            shape[3] = self.req.num_tokens
+            self.whole = self.parts[0].new_empty(shape)
+        for part in self.parts:
+            n = part.shape[3]
+            self.whole[:, :, :, self.in_whole : self.in_whole + n] = part
+            self.in_whole += n
+        self.parts = []
+        return self.whole[:, :, :, : self.in_whole]
 
 
 @dataclass(eq=False)

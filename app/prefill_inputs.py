@@ -46,7 +46,12 @@ def padded_past(past: list[torch.Tensor | None], starts: list[int], layout: KVLa
                 dtype: torch.dtype, kv_device: torch.device,
                 layer_devices: list[torch.device]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values) ``[B, kv_heads, Pmax, head_dim]``, each on its layer's
-    device, a shorter row zero-padded at the end (masked out)."""
+    device, a shorter row zero-padded at the end (masked out). One row (a long prompt's
+    next chunk) has nothing to pad: its layers' views of its own KV, copied only where a
+    layer's device or the dtype differs."""
+    if len(past) == 1 and past[0] is not None:
+        return [(past[0][li, 0][None].to(dev, dtype), past[0][li, 1][None].to(dev, dtype))
+                for li, dev in enumerate(layer_devices)]
     pmax = max(starts)
     padded = torch.zeros((layout.num_layers, 2, len(starts), layout.num_kv_heads, pmax,
                           layout.head_dim), dtype=dtype, device=kv_device)

@@ -228,3 +228,44 @@ def test_n_answers_get_one_prefill_and_a_first_token_each(tiny_model):
     assert len(set(greedy.choice_first_tokens)) == 1
     with pytest.raises(ValueError, match="one answer"):
         prefiller.make_packages([PrefillRequest("one", prompt, GREEDY)])[0].for_choice(1)
+
+
+def test_a_jobs_kv_is_copied_once_into_one_tensor_as_its_parts_arrive():
+    """A prompt's KV in parts (a cached prefix, chunks): each part is copied once into one
+    tensor of the prompt's length, which ``kv()`` views; the done prompt's KV is that
+    tensor whole (no concatenation of every earlier part on every pass)."""
+    from app.prefill import PrefillJob
+
+    job = PrefillJob(_req("w", 10))
+    assert job.kv() is None
+    a, b, c = (torch.randn(2, 2, 2, n, 4) for n in (3, 4, 3))
+    job.parts.append(a)
+    job.done = 3
+    assert job.kv() is a  # one part: itself
+    job.parts.append(b)
+    job.done = 7
+    kv = job.kv()
+    assert torch.equal(kv, torch.cat([a, b], 3))
+    whole = job.whole
+    assert whole is not None and whole.shape[3] == 10 and kv.data_ptr() == whole.data_ptr()
+    job.parts.append(c)
+    job.done = 10
+    kv = job.kv()
+    assert job.whole is whole and kv.is_contiguous() and kv.data_ptr() == whole.data_ptr()
+    assert torch.equal(kv, torch.cat([a, b, c], 3))
+
+
+def test_one_rows_past_is_its_own_kv_not_a_padded_copy():
+    from app.kv_package import KVLayout
+    from app.prefill_inputs import padded_past
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, kv_dtype="float32")
+    kv = torch.randn(2, 2, 2, 5, 4)
+    [(k0, v0), (k1, v1)] = padded_past([kv], [5], layout, torch.float32, torch.device("cpu"),
+                                       [torch.device("cpu")] * 2)
+    assert k1.data_ptr() == kv[1, 0].data_ptr() and v0.data_ptr() == kv[0, 1].data_ptr()
+    assert torch.equal(k0[0], kv[0, 0]) and torch.equal(v1[0], kv[1, 1])
+    # two rows of different pasts: zero-padded to the longer
+    [(k, _), _] = padded_past([kv, kv[:, :, :, :2]], [5, 2], layout, torch.float32,
+                              torch.device("cpu"), [torch.device("cpu")] * 2)
+    assert k.shape == (2, 2, 5, 4) and torch.equal(k[1, :, 2:], torch.zeros(2, 3, 4))
