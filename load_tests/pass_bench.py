@@ -4,8 +4,9 @@
 Prints, per variant, the median (min-max) over interleaved rounds of:
 
 * ``whole1024_ms``: one 1,024-token prompt in one prefill pass (``forward_prefill``);
-* ``chunked1024_ms``: the same prompt in four 256-token passes, each continuing over the
-  KV of the ones before (how the split's prefill replica and the colocated app chunk it);
+* ``chunked1024_ms``: the same prompt through the prefiller in four 256-token passes
+  (``Prefiller.make_packages`` with ``prefill_chunk_tokens`` 256), each continuing over
+  the KV of the ones before, to its package (how the split's prefill replica chunks it);
 * ``mixed_ms``: one mixed pass (``forward_mixed``): 8 decode rows at 64-token contexts and a
   248-token prompt chunk, the colocated app's pass while streams run;
 
@@ -34,8 +35,11 @@ import torch
 
 from app.config import DEFAULT_MODEL, EngineConfig, cpu_flags
 from app.engine_core import EngineCore
+from app.messages import PrefillRequest
+from app.sampling import SamplingParams
 
 PROMPT, CHUNK, ROWS, CONTEXT = 1024, 256, 8, 64
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 FIGURES = ("whole1024_ms", "chunked1024_ms", "mixed_ms")
 
 
@@ -46,8 +50,11 @@ class Variant:
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
         self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype, num_threads=threads,
-                                            fused_layers="modules" not in flags))
+                                            fused_layers="modules" not in flags,
+                                            prefill_chunk_tokens=CHUNK, prefix_cache_mb=0))
         self.runner = self.core.runner
+        self.prefiller = self.core.make_prefiller()
+        self.rounds = 0
         if "fp32attn" in flags:  # a benchmark's switch, not a setting: bf16 attention's cost
             self.runner.prefill_bf16 = False
         rng = random.Random(1)
@@ -62,10 +69,10 @@ class Variant:
         self.rows: dict[str, list[float]] = {f: [] for f in FIGURES}
 
     def _chunked(self) -> None:
-        past = None
-        for start in range(0, PROMPT, CHUNK):
-            _, [kv] = self.runner.forward_prefill([self.prompt[start : start + CHUNK]], [past])
-            past = kv if past is None else torch.cat([past, kv], dim=3)
+        self.rounds += 1  # a new request id each time; no prefix cache (prefix_cache_mb 0)
+        req = PrefillRequest(f"doc{self.rounds}", tuple(self.prompt), GREEDY)
+        [package] = self.prefiller.make_packages([req])
+        assert package.kv_tensor().shape[3] == PROMPT
 
     def _mixed(self) -> None:
         self.runner.forward_mixed(self.cache, self.tables, [5] * ROWS, [CONTEXT] * ROWS,
