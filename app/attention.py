@@ -16,7 +16,7 @@ Either way every read is of the row's own blocks (never another sequence's, neve
 uninitialized memory).
 
 On the CPU with a float32 pool (``inplace``, the default there:
-``EngineConfig.cpu_attention_kernel``) neither copy is made: the engine's kernel
+``engine.kernels.attention``) neither copy is made: the engine's kernel
 (``app/csrc/paged_attention.c``) reads each row's keys and values where they lie, given the
 slots of every row in turn and each row's offset into them.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -72,14 +72,63 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"unsupported dtype {dtype}")
 
 
-# EngineConfig.linear_layout's values (app.packed_linear)
-LINEAR_LAYOUTS = ("auto", "panels", "onednn")
+# KernelConfig.linear's values (app.packed_linear): torch leaves the model's own layers
+LINEAR_LAYOUTS = ("auto", "panels", "onednn", "torch")
 
 
 def default_cache_dir() -> Path:
     """Where converted models live: ``$SPLITSERVE_CACHE`` or ``~/.cache/splitserve``."""
     env = os.environ.get("SPLITSERVE_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "splitserve"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Which parts of a pass run in the engine's own CPU kernels (app/csrc, built on first
+    use with the machine's C compiler; app.cpu_kernels). A part left on runs in its kernel
+    wherever the CPU, the compiler and the model allow, else through torch, and says so at
+    start-up (a WARNING with the reason) and in the splitserve_kernel_path gauge. Turning a
+    part off is for comparisons and diagnosis; every part is on by default."""
+
+    linear: str = "auto"
+    """Each linear layer's weight copied once into a layout made for its product: panels
+    (the engine's own kernel, app/csrc/panel_gemm.c: float32, bf16 and int8 panels; needed
+    for dtype bfloat16's and weights int8's fast paths), onednn (oneDNN's blocked layout for
+    2+ rows; float32 only), auto (panels where the kernel builds, else onednn), torch (no
+    copy: the model's own layers; in float32, half the linear weights' memory)."""
+    attention: bool = True
+    """Float32 activations on the CPU: decode attention reads each row's keys and values where
+    they lie in the paged pool (app/csrc/paged_attention.c), and prefill passes and prompt
+    chunks attend through app/csrc/prefill_attention.c (with bf16 products where the weights
+    are bf16 dot-product panels). False: a gathered copy and SDPA for decode, the model's SDPA
+    for prefill."""
+    fused_decode: bool = True
+    """A Llama-style model with panels and in-place attention runs each decode step's layers,
+    final norm and LM head as one call (app.fused_decode, app/csrc/decode_step.c). False:
+    through the model's modules."""
+    fused_layers: bool = True
+    """A Llama-style model with panels runs each layer of a prefill or mixed pass as two
+    calls around its attention (app.fused_layers, app/csrc/prefill_layer.c: RMSNorm, one
+    q/k/v product and rotary embedding; the output product, RMSNorm, one gate/up product,
+    SiLU and down, with the residuals). False: through the model's modules."""
+
+    def __post_init__(self) -> None:
+        if self.linear not in LINEAR_LAYOUTS:
+            raise ValueError(f"kernels.linear must be one of {LINEAR_LAYOUTS}, got "
+                             f"{self.linear!r}")
+
+
+# the kernel switches that were EngineConfig fields until they became engine.kernels
+MOVED_TO_KERNELS = {"pack_weights": "kernels.linear: torch (false) or auto (true)",
+                    "linear_layout": "kernels.linear", "cpu_attention_kernel":
+                    "kernels.attention", "fused_decode": "kernels.fused_decode",
+                    "fused_layers": "kernels.fused_layers"}
+
+
+def moved_setting(name: str) -> str | None:
+    """Where engine setting ``name`` went, for an error that says so; None if it did not."""
+    where = MOVED_TO_KERNELS.get(name)
+    return None if where is None else f"engine.{name} moved to engine.{where}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,31 +228,12 @@ class EngineConfig:
     trust_remote_code: bool = False
     """Let transformers run the model repository's own Python code when it loads the model
     and tokenizer (needed by some hub models; runs code from the repository)."""
-    pack_weights: bool = True
-    """On the CPU: a second copy of each linear weight in a layout made for its kernel
-    (app.packed_linear; faster decode and prefill, twice the linear weights' memory in
-    float32); which layout: linear_layout. False: the model's own layers only."""
-    linear_layout: str = "auto"
-    """Which packed copy (pack_weights): panels (the engine's own AVX2 kernel, app.cpu_kernels,
-    built on first use), onednn (oneDNN's blocked layout for 2+ rows; float32 only), auto
-    (panels where they build)."""
-    cpu_attention_kernel: bool = True
-    """CPU, float32 KV: decode attention reads each row's keys and values where they lie in
-    the paged pool (the engine's kernel, app/csrc/paged_attention.c), and prefill passes and
-    prompt chunks attend through app/csrc/prefill_attention.c. False: gather + SDPA for
-    decode, and the model's SDPA for prefill."""
-    fused_decode: bool = True
-    """A Llama-style model with panel-packed linears and in-place attention runs each decode
-    step's layers as one call to the engine's C kernel (app.fused_decode). False: through the
-    model's modules."""
-    fused_layers: bool = True
-    """A Llama-style model with panel-packed linears runs each layer of a prefill or mixed
-    pass as two calls to the engine's C kernel around its attention (app.fused_layers:
-    RMSNorm, one q/k/v product and rotary embedding; the output product, RMSNorm, one
-    gate/up product, SiLU and down, with the residuals). False: through the model's
-    modules."""
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    """The engine's own CPU kernels, part by part."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.kernels, dict):  # from a config file's mapping
+            object.__setattr__(self, "kernels", KernelConfig(**self.kernels))
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         if self.weights not in WEIGHT_FORMATS:
@@ -236,10 +266,6 @@ class EngineConfig:
                      "prefill_max_batch_size", "prefill_chunk_tokens", "prefill_lanes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.linear_layout not in LINEAR_LAYOUTS:
-            raise ValueError(
-                f"linear_layout must be one of {LINEAR_LAYOUTS}, got {self.linear_layout!r}"
-            )
         if self.prefill_batch_tokens is not None and self.prefill_batch_tokens < 1:
             raise ValueError(f"prefill_batch_tokens must be >= 1, got {self.prefill_batch_tokens}")
         if self.prefill_preempt_layers < 0:

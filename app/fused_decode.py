@@ -58,7 +58,7 @@ def fused_layers_unavailable(model: torch.nn.Module) -> str | None:
     linears = [_linear(layer, p) for layer in layers for p in _PROJECTIONS]
     linears.append(model.lm_head)
     if not all(type(lin) is PanelLinear for lin in linears):
-        return "the linear layers are not panel-packed (linear_layout)"
+        return "the linear layers are not panel-packed (kernels.linear)"
     if len({lin.weights for lin in linears}) != 1:
         return "the linear layers' panels hold different kinds of weight"
     if any(lin.panels.device.type != "cpu" for lin in linears):

@@ -318,11 +318,11 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
         count = pack_linears(model, layout="panels", cache_dir=config.resolved_cache_dir,
                              weights=kind)
         logger.info("packed %d linear layers (panels of %s weights)", count, kind)
-    elif config.pack_weights:
+    elif config.kernels.linear != "torch":
         cache = config.resolved_cache_dir
-        reason = packing_unavailable(model, config.linear_layout, cache)
+        reason = packing_unavailable(model, config.kernels.linear, cache)
         if reason is None:
-            layout = resolve_layout(config.linear_layout, cache)
+            layout = resolve_layout(config.kernels.linear, cache)
             count = pack_linears(model, layout=layout, cache_dir=cache)
             logger.info("packed %d linear layers (layout %s)", count, layout)
         else:

@@ -137,8 +137,8 @@ class ModelRunner:
         if sdpa_note:
             logger.info("%s", sdpa_note)
         # decode attention reads the pool in place with the engine's CPU kernel where it can
-        reason = (None if config.cpu_attention_kernel
-                  else "turned off (cpu_attention_kernel: false)")
+        kernels = config.kernels
+        reason = (None if kernels.attention else "turned off (kernels.attention: false)")
         self.inplace_reason = reason or inplace_attention_unavailable(
             self.dtype, devices, self.shape.head_dim, config.resolved_cache_dir)
         self.inplace_attention = self.inplace_reason is None
@@ -151,9 +151,9 @@ class ModelRunner:
                              and bf16_attention_unavailable(weight_kind(self.model)) is None)
         # the layers of other passes in two kernel calls each, and the whole decode step in
         # one, where the model is one they compute (one weight table for both)
-        reason = None if config.fused_layers else "turned off (fused_layers: false)"
+        reason = None if kernels.fused_layers else "turned off (kernels.fused_layers: false)"
         self.fused_layers_reason = reason or fused_layers_unavailable(self.model)
-        reason = None if config.fused_decode else "turned off (fused_decode: false)"
+        reason = None if kernels.fused_decode else "turned off (kernels.fused_decode: false)"
         self.fused_reason = reason or fused_decode_unavailable(self.model,
                                                                self.inplace_attention)
         weights = (layer_weights(self.model) if None in (self.fused_reason,

@@ -21,7 +21,7 @@ handful of rows, and the weights come from memory every step. Two layouts:
   MKL's GEMV over the plain weight (bit for bit the plain model's).
 
 Either way the copy doubles the linear weights' memory (the model's own ``weight`` stays, for
-state dicts, fingerprints and tied embeddings); ``EngineConfig.pack_weights = False`` turns it
+state dicts, fingerprints and tied embeddings); ``engine.kernels.linear: torch`` turns it
 off. Sums run in a different order than MKL's, so logits differ from the plain model's in the
 last bits; the greedy tokens of the test prompts are the same
 (``tests/unit/app/test_packed_linear.py``). A copy is made once at load: a weight changed
@@ -47,7 +47,7 @@ BATCH_HINT = 8
 
 def weight_plan(config: EngineConfig) -> tuple[torch.dtype, str | None, str]:
     """How a CPU engine holds and computes its linear weights: (the dtype the model computes
-    in, what its panels hold or None to leave packing to ``linear_layout``, why).
+    in, what its panels hold or None to leave packing to ``kernels.linear``, why).
 
     float32: float32 panels (or oneDNN's layout). bfloat16 (or weights: int8): the model
     computes in float32 and its linears' panels hold bf16 (``bfloat16dp``: in pairs for the
@@ -62,8 +62,9 @@ def weight_plan(config: EngineConfig) -> tuple[torch.dtype, str | None, str]:
     want = "int8" if config.weights == "int8" else dtype_name(dtype)
     if want == "float32":
         return dtype, None, "float32"
-    reason = (None if config.pack_weights else "pack_weights is off") or (
-        None if config.linear_layout != "onednn" else "linear_layout onednn is float32 only"
+    layout = config.kernels.linear
+    reason = (None if layout != "torch" else "kernels.linear is torch") or (
+        None if layout != "onednn" else "kernels.linear onednn is float32 only"
     ) or kernel_unavailable(config.resolved_cache_dir)
     if reason is not None:
         if want == "int8":

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from app.config import EngineConfig
+from app.config import EngineConfig, moved_setting
 from deployments.autoscaling import DecodeParams, PrefillParams
 from deployments.serve_options import check_deployment_config, merged, policy_path, scaling_override
 
@@ -269,6 +269,17 @@ class AppArgs(BaseModel):
     enable_fault_injection: bool = Field(
         False, description="Expose replica methods that stall or crash the engine, for fault "
         "tests only. Never enable in production.")
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _no_moved_settings(cls, value):
+        """A setting that moved under engine.kernels is refused by name, with where it went
+        (not only as an unexpected keyword)."""
+        if isinstance(value, dict):
+            moved = [m for m in map(moved_setting, value) if m is not None]
+            if moved:
+                raise ValueError("; ".join(moved))
+        return value
 
     @model_validator(mode="after")
     def _phases_valid(self):

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from app import cpu_kernels
-from app.config import DEFAULT_MODEL, EngineConfig
+from app.config import DEFAULT_MODEL, EngineConfig, KernelConfig
 from app.decode import Decoder
 from app.engine_core import EngineCore
 from app.messages import PrefillRequest
@@ -137,11 +137,12 @@ class Variant:
         self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype,
                                             num_threads=threads,
                                             weights="int8" if "int8" in flags else None,
-                                            pack_weights="packed" in flags,
-                                            linear_layout="onednn" if "onednn" in flags
-                                            else "auto",
-                                            cpu_attention_kernel="gather" not in flags,
-                                            fused_decode="unfused" not in flags))
+                                            kernels=KernelConfig(
+                                                linear=("torch" if "packed" not in flags
+                                                        else "onednn" if "onednn" in flags
+                                                        else "auto"),
+                                                attention="gather" not in flags,
+                                                fused_decode="unfused" not in flags)))
         self.avx512 = "avx2" not in flags
         self.weight_bytes = step_weight_bytes(self.core.model)
         self.floor = Floor(self.weight_bytes, self.core.runner.dtype)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from app.config import DEFAULT_MODEL, EngineConfig, cpu_flags
+from app.config import DEFAULT_MODEL, EngineConfig, KernelConfig, cpu_flags
 from app.model_loader import load_model, load_tokenizer, model_dtype
 
 PROMPTS = (
@@ -43,7 +43,7 @@ PROMPTS = (
 VARIANTS = {
     "engine bf16 panels": {"dtype": "bfloat16"},
     "engine int8 panels": {"weights": "int8"},
-    "transformers bf16": {"dtype": "bfloat16", "pack_weights": False},
+    "transformers bf16": {"dtype": "bfloat16", "kernels": KernelConfig(linear="torch")},
 }
 
 
@@ -80,7 +80,7 @@ def measure(model_name: str, max_new: int) -> dict:
     base = EngineConfig(model=model_name)
     tok = load_tokenizer(base)
     prompts = [tok.encode(p) for p in PROMPTS]
-    ref = load_model(replace(base, pack_weights=False))
+    ref = load_model(replace(base, kernels=KernelConfig(linear="torch")))
     conts = [greedy(ref, ids, max_new) for ids in prompts]
     ref_lp = [logprobs(ref, ids, c)[0] for ids, c in zip(prompts, conts, strict=True)]
     del ref

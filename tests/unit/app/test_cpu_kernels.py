@@ -151,8 +151,8 @@ def test_autograd_and_other_dtypes_fall_back_to_f_linear():
 def test_auto_layout_picks_panels_and_the_config_checks_the_name():
     assert resolve_layout("auto") == "panels"
     assert resolve_layout("onednn") == "onednn"
-    with pytest.raises(ValueError, match="linear_layout"):
-        EngineConfig(linear_layout="fast")
+    with pytest.raises(ValueError, match=r"kernels\.linear"):
+        EngineConfig(kernels={"linear": "fast"})
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     assert pack_linears(model) == 2
     assert all(isinstance(m, PanelLinear) for m in (model[0], model[2]))
@@ -160,7 +160,7 @@ def test_auto_layout_picks_panels_and_the_config_checks_the_name():
 
 async def test_decode_reads_the_pool_in_place_unless_turned_off():
     """The runner's decode steps use the in-place attention kernel by default; with
-    ``cpu_attention_kernel: false`` they gather and call SDPA; the greedy tokens of a batch
+    ``kernels.attention: false`` they gather and call SDPA; the greedy tokens of a batch
     of different lengths are generate()'s either way."""
     from app.engine_core import EngineCore
     from tests.conftest import engine_greedy, hf_greedy, make_tiny_model
@@ -168,8 +168,8 @@ async def test_decode_reads_the_pool_in_place_unless_turned_off():
     prompts = [[5, 9, 13, 200, 7], list(range(100, 160)), [300, 41, 8], [77] * 30]
     expected = [hf_greedy(make_tiny_model(seed=6), p, 10) for p in prompts]
     for on in (True, False):
-        core = EngineCore(EngineConfig(max_batch_size=8, cpu_attention_kernel=on,
-                                       pack_weights=False), model=make_tiny_model(seed=6))
+        config = EngineConfig(max_batch_size=8, kernels={"attention": on, "linear": "torch"})
+        core = EngineCore(config, model=make_tiny_model(seed=6))
         assert core.runner.inplace_attention is on
         if not on:
             assert "turned off" in core.runner.inplace_reason

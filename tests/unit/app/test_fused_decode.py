@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 def _runner(fused: bool, **overrides) -> ModelRunner:
     model = make_tiny_model(seed=3, **overrides)
     pack_linears(model, layout="panels")
-    return ModelRunner(model, EngineConfig(fused_decode=fused, fused_layers=fused))
+    return ModelRunner(model, EngineConfig(kernels={"fused_decode": fused, "fused_layers": fused}))
 
 
 def _steps(runner: ModelRunner, prompts: list[list[int]], steps: int):
@@ -75,7 +75,7 @@ async def test_the_engine_decodes_through_the_fused_step_by_default_and_gives_ge
     for on in (True, False):
         model = make_tiny_model(seed=6)
         pack_linears(model)  # as the app's loader packs the model it loads
-        core = EngineCore(EngineConfig(max_batch_size=8, fused_decode=on), model=model)
+        core = EngineCore(EngineConfig(max_batch_size=8, kernels={"fused_decode": on}), model=model)
         assert (core.runner.fused is not None) is on
         if not on:
             assert "turned off" in core.runner.fused_reason
@@ -85,7 +85,7 @@ async def test_the_engine_decodes_through_the_fused_step_by_default_and_gives_ge
 
 
 @pytest.mark.parametrize(("config", "layout", "overrides", "reason"), [
-    ({"cpu_attention_kernel": False}, "panels", {}, "in place"),
+    ({"kernels": {"attention": False}}, "panels", {}, "in place"),
     ({}, "onednn", {}, "panel-packed"),
     ({}, None, {}, "panel-packed"),
     ({}, "panels", {"hidden_act": "gelu"}, "activation"),

@@ -25,7 +25,7 @@ BIASES = {"attention_bias": True, "mlp_bias": True}
 def _runner(fused: bool, weights: str = "float32", **overrides) -> ModelRunner:
     model = make_tiny_model(seed=4, **overrides)
     pack_linears(model, layout="panels", weights=weights)
-    return ModelRunner(model, EngineConfig(fused_layers=fused))
+    return ModelRunner(model, EngineConfig(kernels={"fused_layers": fused}))
 
 
 def _chunked(runner: ModelRunner, prompts: list[list[int]], chunk: int):
@@ -111,7 +111,7 @@ def test_a_mixed_pass_gives_what_the_models_modules_give():
 
 
 @pytest.mark.parametrize(("config", "layout", "overrides", "reason"), [
-    ({"fused_layers": False}, "panels", {}, "turned off"),
+    ({"kernels": {"fused_layers": False}}, "panels", {}, "turned off"),
     ({}, "onednn", {}, "panel-packed"),
     ({}, "panels", {"hidden_act": "gelu"}, "activation"),
 ])

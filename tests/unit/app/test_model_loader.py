@@ -97,7 +97,7 @@ def test_load_local_hf_dir_matches_original(tmp_path):
     src = resolve_model(str(tmp_path / "tiny"))
     assert src.kind == "hf_dir" and src.location == str((tmp_path / "tiny").resolve())
 
-    loaded = load_model(EngineConfig(model=str(tmp_path / "tiny"), pack_weights=False))
+    loaded = load_model(EngineConfig(model=str(tmp_path / "tiny"), kernels={"linear": "torch"}))
     assert not loaded.training
     assert next(loaded.parameters()).dtype is torch.float32
     ids = torch.tensor([[5, 17, 300, 4000, 42, 7]])
@@ -111,7 +111,7 @@ def test_load_local_hf_dir_matches_original(tmp_path):
     # panels where the kernel builds, else oneDNN's): same model, logits equal to the last bits
     for layout, kind in (("auto", PanelLinear if resolve_layout("auto") == "panels"
                           else PackedLinear), ("onednn", PackedLinear)):
-        packed = load_model(EngineConfig(model=str(tmp_path / "tiny"), linear_layout=layout))
+        packed = load_model(EngineConfig(model=str(tmp_path / "tiny"), kernels={"linear": layout}))
         assert isinstance(packed.lm_head, kind), layout
         with torch.no_grad():
             torch.testing.assert_close(packed(ids).logits, expected, atol=1e-4, rtol=1e-4)
@@ -119,7 +119,7 @@ def test_load_local_hf_dir_matches_original(tmp_path):
 
     # bfloat16 through torch's modules (no panels): the model's own parameters in bf16
     bf16 = load_model(EngineConfig(model=str(tmp_path / "tiny"), dtype="bfloat16",
-                                   pack_weights=False))
+                                   kernels={"linear": "torch"}))
     assert next(bf16.parameters()).dtype is torch.bfloat16
     assert fingerprint(bf16).dtype == "bfloat16"
     assert fingerprint(bf16).as_str() != fingerprint(model).as_str()

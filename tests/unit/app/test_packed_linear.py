@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from app.config import EngineConfig
+from app.config import EngineConfig, KernelConfig
 from app.cpu_kernels import kernel_unavailable
 from app.engine_core import EngineCore
 from app.model_loader import fingerprint
@@ -88,7 +88,7 @@ async def test_smollm_on_the_default_layout_gives_the_plain_models_greedy_tokens
 
     from app.model_loader import load_model
 
-    plain = load_model(replace(smollm_config, pack_weights=False))
+    plain = load_model(replace(smollm_config, kernels=KernelConfig(linear="torch")))
     assert not any(isinstance(m, PackedLinear | PanelLinear) for m in plain.modules())
     assert any(isinstance(m, PackedLinear | PanelLinear) for m in smollm_model.modules())
     prompts = [smollm_tokenizer.encode(t) for t in (

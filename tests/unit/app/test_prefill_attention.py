@@ -94,14 +94,14 @@ def test_the_padded_past_between_a_rows_own_and_the_new_tokens_is_never_read():
 
 
 def _runner(kernel: bool) -> ModelRunner:
-    return ModelRunner(make_tiny_model(seed=8), EngineConfig(cpu_attention_kernel=kernel))
+    return ModelRunner(make_tiny_model(seed=8), EngineConfig(kernels={"attention": kernel}))
 
 
 @torch.inference_mode()
 def test_prefill_passes_through_the_kernel_give_the_sdpa_passes_logits_and_kv():
     fast, plain = _runner(True), _runner(False)
     assert fast.prefill_kernel and not plain.prefill_kernel
-    assert plain.prefill_attention_reason == "turned off (cpu_attention_kernel: false)"
+    assert plain.prefill_attention_reason == "turned off (kernels.attention: false)"
     prompts = [list(range(3, 80)), [5, 9, 33], list(range(200, 240))]
     for runner_prompts in (prompts, prompts[:1]):
         (la, kva), (lb, kvb) = fast.forward_prefill(runner_prompts), plain.forward_prefill(

@@ -167,7 +167,7 @@ def test_config_decides_the_dtype_and_the_panels(monkeypatch):
         torch.float32, "int8dp" if _vnni() else "int8")
     assert weight_plan(EngineConfig())[:2] == (torch.float32, None)
     # where the panels are not to be had, bf16 runs in torch and int8 is refused
-    dtype, kind, why = weight_plan(EngineConfig(dtype="bfloat16", pack_weights=False))
-    assert (dtype, kind) == (torch.bfloat16, None) and "pack_weights is off" in why
+    dtype, kind, why = weight_plan(EngineConfig(dtype="bfloat16", kernels={"linear": "torch"}))
+    assert (dtype, kind) == (torch.bfloat16, None) and "kernels.linear is torch" in why
     with pytest.raises(ValueError, match="int8 needs the engine's panel kernel"):
-        weight_plan(EngineConfig(weights="int8", linear_layout="onednn"))
+        weight_plan(EngineConfig(weights="int8", kernels={"linear": "onednn"}))

@@ -227,7 +227,7 @@ def test_each_engine_part_s_path_is_a_gauge(records, tiny_model):
     from app.config import EngineConfig
     from app.model_runner import ModelRunner
 
-    paths = ModelRunner(tiny_model, EngineConfig(pack_weights=False)).kernel_paths()
+    paths = ModelRunner(tiny_model, EngineConfig(kernels={"linear": "torch"})).kernel_paths()
     assert paths["linear"] == "torch" and paths["decode_step"] == "modules"
     assert paths["pass_layers"] == "modules"
     metrics.KernelMetrics(MODEL).record(paths)
