@@ -10,7 +10,7 @@ Prints, per variant, the median (min-max) over interleaved rounds of:
 * ``mixed_ms``: one mixed pass (``forward_mixed``): 8 decode rows at 64-token contexts and a
   248-token prompt chunk, the colocated app's pass while streams run;
 
-and, for a variant ``X`` run beside ``X+modules`` (the same engine with ``fused_layers:
+and, for a variant ``X`` run beside ``X+modules`` (the same engine with ``kernels.fused_layers:
 false``: the model's modules around the same kernels) or ``X+fp32attn`` (prefill attention
 with float32 products where X takes bf16 ones: ``app.prefill_attention``), the ratio of X
 to it per round. Variants: ``dtype[+modules][+fp32attn]`` with dtype float32, bfloat16
@@ -50,7 +50,7 @@ class Variant:
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
         self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype, num_threads=threads,
-                                            fused_layers="modules" not in flags,
+                                            kernels={"fused_layers": "modules" not in flags},
                                             prefill_chunk_tokens=CHUNK, prefix_cache_mb=0))
         self.runner = self.core.runner
         self.prefiller = self.core.make_prefiller()

@@ -242,12 +242,12 @@ def test_the_kernel_switches_are_one_setting_and_their_old_names_say_where_they_
     args = AppArgs(engine={"kernels": {"linear": "onednn", "fused_layers": False}})
     kernels = args.engine_config("prefill").kernels
     assert (kernels.linear, kernels.attention, kernels.fused_layers) == ("onednn", True, False)
-    with pytest.raises(ValidationError, match="engine.fused_decode moved to "
-                                              "engine.kernels.fused_decode"):
+    with pytest.raises(ValidationError, match=r"engine\.fused_decode moved to "
+                                              r"engine\.kernels\.fused_decode"):
         AppArgs(engine={"fused_decode": False})
-    with pytest.raises(ValidationError, match="engine.pack_weights moved"):
+    with pytest.raises(ValidationError, match=r"engine\.pack_weights moved"):
         AppArgs(engine={"pack_weights": False, "max_batch_size": 4})
-    with pytest.raises(ValidationError, match="kernels.linear must be one of"):
+    with pytest.raises(ValidationError, match=r"kernels\.linear must be one of"):
         AppArgs(engine={"kernels": {"linear": "fast"}})
     with pytest.raises(ValidationError):
         AppArgs(engine={"kernels": {"fused": True}})  # no such part

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from app.config import EngineConfig
+from app.config import EngineConfig, KernelConfig
 from deployments import config_docs
 from deployments.args import AppArgs, DecodePhaseArgs, IngressArgs, PhaseArgs, PrefillPhaseArgs
 from deployments.autoscaling import DecodeParams, PrefillParams
@@ -20,7 +20,8 @@ from deployments.autoscaling import DecodeParams, PrefillParams
 ROOT = Path(__file__).resolve().parents[3]
 
 # Every model the app's args nest, at the path where a serve config sets its fields.
-MODELS = {"": AppArgs, "engine": EngineConfig, "prefill": PrefillPhaseArgs,
+MODELS = {"": AppArgs, "engine": EngineConfig, "engine.kernels": KernelConfig,
+          "prefill": PrefillPhaseArgs,
           "prefill.scaling": PrefillParams, "decode": DecodePhaseArgs,
           "decode.scaling": DecodeParams, "colocated": PhaseArgs, "ingress": IngressArgs}
 
@@ -51,7 +52,7 @@ def test_every_field_has_a_description(tables):
         "the field in app/config.py (EngineConfig) and deployments/autoscaling.py")
 
 
-@pytest.mark.parametrize("model", [EngineConfig, PrefillParams, DecodeParams])
+@pytest.mark.parametrize("model", [EngineConfig, KernelConfig, PrefillParams, DecodeParams])
 def test_dataclass_docstrings_name_their_own_fields(model):
     # a docstring below a field documents that field, and none documents a non-field
     docs = config_docs.attribute_docs(model)
