@@ -1,5 +1,5 @@
 """Prefill and mixed passes on the engine, per variant: what the fused layers
-(``app.fused_layers``, ``engine.fused_layers``) and the dtype do to a pass's time.
+(``app.fused_layers``, ``engine.kernels.fused_layers``) and the dtype do to a pass's time.
 
 Prints, per variant, the median (min-max) over interleaved rounds of:
 
