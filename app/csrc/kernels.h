@@ -86,6 +86,9 @@ int layer_mlp(float *hidden, long m, long hsize, const float *att, long nq, cons
               int wtype, float *scratch, int threads);
 
 /* prefill_attention.c: causal attention of a pass's new tokens over their past */
+int prefill_attention_args(const float *q, const float *k, const float *v, const float *out,
+                           long batch, long heads, long kv_heads, long s, long t, long d,
+                           const long *starts, long pmax, int threads);
 int prefill_attention(const float *q, long qsb, long qsh, long qss,
                       const float *k, long ksb, long ksh, long kss,
                       const float *v, long vsb, long vsh, long vss,

@@ -336,26 +336,38 @@ static void attend_block8(int mr, long i0, const float *q, long qs, const float 
     }
 }
 
-/* Returns SK_OK; SK_UNSUPPORTED for a head_dim the kernel does not serve (the engine checks
-   the model's at start-up, app/attention.py:prefill_attention_unavailable, and then
-   runs every pass in torch's attention; at call time it is an error); SK_BAD_SHAPE for counts out of range (batch, s, pmax < 0, heads
-   not a multiple of kv_heads, t not pmax + s, threads < 1); SK_BAD_STARTS for a row whose
-   cached positions are not within [0, pmax]; SK_NO_MEMORY. AVX-512 where the panel kernel
-   uses it (panel_uses_avx512), AVX2 otherwise. */
+/* The arguments' checks of prefill_attention and prefill_attention_bf16: SK_OK (also for
+   no rows or no positions: nothing to attend, the pointers not read); SK_UNSUPPORTED for a
+   head_dim the kernels do not serve (the engine checks the model's at start-up,
+   app/prefill_attention.py:prefill_attention_unavailable, and then runs every pass in
+   torch's attention; at call time it is an error); SK_BAD_SHAPE for counts out of range
+   (batch, s, pmax < 0, heads not a multiple of kv_heads, t not pmax + s, threads < 1) or a
+   NULL pointer; SK_BAD_STARTS for a row whose cached positions are not within [0, pmax]. */
+int prefill_attention_args(const float *q, const float *k, const float *v, const float *out,
+                           long batch, long heads, long kv_heads, long s, long t, long d,
+                           const long *starts, long pmax, int threads) {
+    if (batch < 0 || s < 0 || pmax < 0 || heads < 1 || kv_heads < 1 || heads % kv_heads != 0
+        || t != pmax + s || threads < 1)
+        return SK_BAD_SHAPE;
+    if (d < 16 || d % 16 != 0 || d > DMAX) return SK_UNSUPPORTED;
+    if (batch * s == 0) return SK_OK; /* nothing to attend: the pointers are not read */
+    if (q == NULL || k == NULL || v == NULL || out == NULL || starts == NULL) return SK_BAD_SHAPE;
+    for (long b = 0; b < batch; b++)
+        if (starts[b] < 0 || starts[b] > pmax) return SK_BAD_STARTS;
+    return SK_OK;
+}
+
+/* Those statuses, or SK_NO_MEMORY. AVX-512 where the panel kernel uses it
+   (panel_uses_avx512), AVX2 otherwise. */
 int prefill_attention(const float *q, long qsb, long qsh, long qss,
                       const float *k, long ksb, long ksh, long kss,
                       const float *v, long vsb, long vsh, long vss,
                       float *out, long osb, long osh, long oss,
                       long batch, long heads, long kv_heads, long s, long t, long d,
                       const long *starts, long pmax, float scale, int threads) {
-    if (batch < 0 || s < 0 || pmax < 0 || heads < 1 || kv_heads < 1 || heads % kv_heads != 0
-        || t != pmax + s || threads < 1)
-        return SK_BAD_SHAPE;
-    if (d < 16 || d % 16 != 0 || d > DMAX) return SK_UNSUPPORTED;
-    if (batch * s == 0) return SK_OK;
-    if (q == NULL || k == NULL || v == NULL || out == NULL || starts == NULL) return SK_BAD_SHAPE;
-    for (long b = 0; b < batch; b++)
-        if (starts[b] < 0 || starts[b] > pmax) return SK_BAD_STARTS;
+    int status = prefill_attention_args(q, k, v, out, batch, heads, kv_heads, s, t, d, starts,
+                                        pmax, threads);
+    if (status != SK_OK || batch * s == 0) return status;
     int wide = panel_uses_avx512();
     long group = heads / kv_heads, tp = (t + KP - 1) / KP;
     long per = tp * d * KP;

@@ -275,15 +275,11 @@ int prefill_attention_bf16(const float *q, long qsb, long qsh, long qss,
                            float *out, long osb, long osh, long oss,
                            long batch, long heads, long kv_heads, long s, long t, long d,
                            const long *starts, long pmax, float scale, int threads) {
-    if (batch < 0 || s < 0 || pmax < 0 || heads < 1 || kv_heads < 1 || heads % kv_heads != 0
-        || t != pmax + s || threads < 1)
-        return SK_BAD_SHAPE;
-    if (d < 16 || d % 16 != 0 || d > DMAX) return SK_UNSUPPORTED;
+    int status = prefill_attention_args(q, k, v, out, batch, heads, kv_heads, s, t, d, starts,
+                                        pmax, threads);
+    if (status != SK_OK) return status;
     if (!__builtin_cpu_supports("avx512bf16")) return SK_NO_ISA;
     if (batch * s == 0) return SK_OK;
-    if (q == NULL || k == NULL || v == NULL || out == NULL || starts == NULL) return SK_BAD_SHAPE;
-    for (long b = 0; b < batch; b++)
-        if (starts[b] < 0 || starts[b] > pmax) return SK_BAD_STARTS;
     long group = heads / kv_heads, tp = (t + KP - 1) / KP;
     tp = (tp + PS - 1) / PS * PS; /* whole steps: a step's panels all exist (zero past t) */
     long per = tp * KP * d; /* bf16 elements per (row, KV head), keys and values alike */
