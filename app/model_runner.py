@@ -236,16 +236,18 @@ class ModelRunner:
 
     def forward_prefill(self, prompts: list[list[int]],
                         past: list[torch.Tensor | None] | None = None,
+                        into: torch.Tensor | None = None,
                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run prompts (or the next chunks of prompts) of any lengths as one right-padded batch
         (:meth:`prefill_layers` to the end, under the runner's lock)."""
-        steps = self.prefill_layers(prompts, past)
+        steps = self.prefill_layers(prompts, past, into)
         with self.lock:
             return _to_the_end(steps)
 
     @torch.inference_mode()
     def prefill_layers(self, prompts: list[list[int]],
                        past: list[torch.Tensor | None] | None = None,
+                       into: torch.Tensor | None = None,
                        ) -> Generator[int, None, tuple[torch.Tensor, list[torch.Tensor]]]:
         """:meth:`forward_prefill` as a generator that yields after each layer (the number of
         layers done), so that a pass can pause between layers for another (a short prompt
@@ -264,6 +266,10 @@ class ModelRunner:
         tokens only ``[layers, 2, kv_heads, len_i, head_dim]`` (contiguous, KV dtype, on
         ``kv_device``). Right padding needs no mask of its own: under the causal mask a real
         token never sees the pads that follow it.
+
+        ``into`` (one row, on one device, where :meth:`room_for_chunks`): the row's whole
+        prompt's KV in the runner's dtype, ``past[0]`` its first positions; the chunk's KV is
+        written into it after them (``PrefillCollector``) and returned as a view of it.
         """
         lens = [len(p) for p in prompts]
         bsz, seq = len(prompts), max(lens)
@@ -274,30 +280,26 @@ class ModelRunner:
         has_past = past is not None and any(p is not None for p in past)
         starts = [0 if not has_past or p is None else p.shape[3] for p in (past or [None] * bsz)]
         positions = (torch.tensor(starts)[:, None] + torch.arange(seq)[None, :]).to(self.device)
-        mask, collector = None, PrefillCollector(len(self.layers))
+        mask, collector = None, PrefillCollector(len(self.layers), into=into, start=starts[0])
         if has_past:
             mask = past_mask(starts, seq).to(self.device)
-            collector.past = padded_past(past, starts, self.layout, self.dtype,
-                                         self.kv_device, self.layer_devices)
+            if into is None:
+                collector.past = padded_past(past, starts, self.layout, self.dtype,
+                                             self.kv_device, self.layer_devices)
+            else:
+                assert bsz == 1 and self.room_for_chunks(into.dtype, into.device)
         hidden = self.embed_tokens(ids)  # [B, S, H]
         span = ({"prefill_span": PrefillSpan.build(starts, self.prefill_bf16)}
                 if self.prefill_kernel else {})
         hidden = yield from self._layers(hidden, positions, mask, collector, **span)
         last = torch.tensor(lens, device=hidden.device) - 1
         logits = self._logits(hidden[torch.arange(bsz, device=hidden.device), last])
-        kvs = []
-        lay = self.layout
-        for i, n in enumerate(lens):
-            kv = torch.empty(
-                (lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim),
-                dtype=self.kv_dtype,
-                device=self.kv_device,
-            )
-            for layer_idx in range(lay.num_layers):
-                kv[layer_idx, 0] = collector.keys[layer_idx][i, :, :n]
-                kv[layer_idx, 1] = collector.values[layer_idx][i, :, :n]
-            kvs.append(kv)
-        return logits, kvs
+        return logits, collector.row_kvs(lens, self.layout, self.kv_dtype, self.kv_device)
+
+    def room_for_chunks(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a prompt's KV so far, held in ``dtype`` on ``device``, can take its next
+        chunk's KV in place (``prefill_layers``' ``into``): the runner's dtype, one device."""
+        return dtype == self.dtype and not self.multi_device and device == self.kv_device
 
     # ---- decode -------------------------------------------------------------------------
 

@@ -77,8 +77,10 @@ class PrefillJob:
     # KV along positions not yet in ``whole``, in order (a cached prefix's blocks, each
     # pass's chunk)
     parts: list[torch.Tensor] = field(default_factory=list)
-    # once the prompt's KV is in two parts: ``[layers, 2, kv_heads, num_tokens, head_dim]``,
-    # its first ``in_whole`` positions filled, each part copied in once (not every pass)
+    # once the prompt's KV is in two parts, or a pass writes its chunk straight in (a pass of
+    # this prompt alone, Prefiller.start_pass): ``[layers, 2, kv_heads, num_tokens,
+    # head_dim]``, its first ``in_whole`` positions filled, each part copied in once (not
+    # every pass)
     whole: torch.Tensor | None = None
     in_whole: int = 0
     compute_s: float = 0.0
@@ -89,15 +91,17 @@ class PrefillJob:
     def remaining(self) -> int:
         return self.req.num_tokens - self.done
 
-    def kv(self) -> torch.Tensor | None:
-        """KV of positions ``0..done-1`` ``[layers, 2, kv_heads, done, head_dim]`` (a view
-        of ``whole`` once there were two parts; the whole tensor once the prompt is done)."""
+    def kv(self, dtype: torch.dtype | None = None, room: bool = False) -> torch.Tensor | None:
+        """KV of positions ``0..done-1`` ``[layers, 2, kv_heads, done, head_dim]``: a view
+        of ``whole`` once there were two parts or ``room`` for the next chunks was asked
+        for (``whole`` is made then, in ``dtype``: default the parts'; each part is cast as
+        it is copied in); the whole tensor once the prompt is done."""
         if self.whole is None:
-            if len(self.parts) <= 1:
+            if not self.parts or (len(self.parts) == 1 and not room):
                 return self.parts[0] if self.parts else None
             shape = list(self.parts[0].shape)
             shape[3] = self.req.num_tokens
-            self.whole = self.parts[0].new_empty(shape)
+            self.whole = self.parts[0].new_empty(shape, dtype=dtype or self.parts[0].dtype)
         for part in self.parts:
             n = part.shape[3]
             self.whole[:, :, :, self.in_whole : self.in_whole + n] = part
@@ -131,7 +135,7 @@ class ChunkPlan:
         """Each row's chunk (token ids) and the KV of its positions before it (or None)."""
         chunks = [list(j.req.prompt_token_ids[j.done : j.done + n])
                   for j, n in zip(self.rows, self.sizes, strict=True)]
-        return chunks, [j.kv() for j in self.rows]
+        return chunks, [j.kv(self.prefiller.work_dtype) for j in self.rows]
 
     def complete(self, logits: torch.Tensor, kvs: list[torch.Tensor], start: float) -> None:
         self.packages = self.prefiller.complete(self.rows, self.sizes, logits, kvs, start)
@@ -147,6 +151,7 @@ class PassInProgress:
     sizes: list[int]  # tokens each row computes in this pass
     steps: Generator[int, None, tuple[torch.Tensor, list[torch.Tensor]]]
     tokens: int  # rows' chunk tokens in all
+    in_place: bool = False  # the pass writes its one row's chunk into the job's ``whole``
     layers_done: int = 0
     busy_s: float = 0.0  # time spent running it (not paused)
 
@@ -171,6 +176,13 @@ class Prefiller:
         base = cfg.num_threads or torch.get_num_threads()
         self.idle_cores = (IdleCores(base, max(base, cfg.prefill_max_threads))
                            if cfg.prefill_max_threads else None)
+
+    @property
+    def work_dtype(self) -> torch.dtype | None:
+        """The dtype a chunked prompt's KV so far is held in (``PrefillJob.whole``): the
+        runner's, so that its next pass writes its chunk in place; None where it cannot."""
+        r = self.runner
+        return r.dtype if r.room_for_chunks(r.dtype, r.kv_device) else None
 
     def validate(self, req: PrefillRequest) -> None:
         validate_prompt(
@@ -250,11 +262,14 @@ class Prefiller:
         """A pass over each row's next chunk, not yet run (:meth:`advance` runs it)."""
         chunks = [list(j.req.prompt_token_ids[j.done : j.done + self.chunk_of(j)])
                   for j in rows]
-        past = [j.kv() for j in rows]
+        # a prompt's later chunks, alone in their pass: written straight into its KV so far
+        in_place = len(rows) == 1 and rows[0].done > 0 and self.work_dtype is not None
+        past = [j.kv(self.work_dtype, room=in_place) for j in rows]
         steps = self.runner.prefill_layers(
-            chunks, past if any(p is not None for p in past) else None)
+            chunks, past if any(p is not None for p in past) else None,
+            rows[0].whole if in_place else None)
         return PassInProgress(rows, [len(c) for c in chunks], steps,
-                              sum(len(c) for c in chunks))
+                              sum(len(c) for c in chunks), in_place)
 
     def advance(self, run: PassInProgress, layers: int | None = None, *,
                 alone: bool = True) -> list[KVPackage | None] | None:
@@ -278,19 +293,24 @@ class Prefiller:
                     run.busy_s += time.perf_counter() - began
                     # the pass's own compute time, not the passes that ran while it paused
                     return self.complete(run.rows, run.sizes, logits, kvs,
-                                         time.perf_counter() - run.busy_s)
+                                         time.perf_counter() - run.busy_s, run.in_place)
         run.busy_s += time.perf_counter() - began
         return None
 
     def complete(self, rows: list[PrefillJob], sizes: list[int], logits: torch.Tensor,
-                 kvs: list[torch.Tensor], start: float) -> list[KVPackage | None]:
+                 kvs: list[torch.Tensor], start: float,
+                 in_place: bool = False) -> list[KVPackage | None]:
         """After a pass computed ``sizes[i]`` more tokens of each row (``logits`` at each
-        chunk's last token, ``kvs`` each chunk's KV; ``start``: the pass's
-        ``perf_counter``): the rows advance, and each row whose prompt this finished gets
-        its first token(s) and its package (None for the others)."""
+        chunk's last token, ``kvs`` each chunk's KV, ``in_place``: already in the one row's
+        ``whole``; ``start``: the pass's ``perf_counter``): the rows advance, and each row
+        whose prompt this finished gets its first token(s) and its package (None for the
+        others)."""
         for job, n, kv in zip(rows, sizes, kvs, strict=True):
             assert kv.shape[3] == n
-            job.parts.append(kv)
+            if in_place:
+                job.in_whole += n
+            else:
+                job.parts.append(kv)
             job.done += n
             job.passes += 1
         finished = [i for i, j in enumerate(rows) if j.remaining == 0]
@@ -333,6 +353,7 @@ class Prefiller:
                  firsts: list[tuple[int, TokenLogprobs | None]]) -> KVPackage:
         kv = job.kv()
         assert kv is not None and kv.shape[3] == job.req.num_tokens
+        kv = kv.to(self.runner.kv_dtype)  # a ``whole`` in the runner's dtype: cast once
         if self.prefix_cache is not None:
             self.prefix_cache.insert(job.req.prompt_token_ids, kv)
         r = job.req

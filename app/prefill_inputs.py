@@ -12,23 +12,53 @@ from app.kv_package import KVLayout
 class PrefillCollector:
     """Cache stand-in for prefill: keeps each layer's new keys/values and attends over them,
     after the row's earlier positions (``past``: per layer ``[B, kv_heads, P, head_dim]``
-    keys and values) when the pass continues prompts whose start is already computed."""
+    keys and values) when the pass continues prompts whose start is already computed.
+
+    ``into`` (one row continuing its prompt): the prompt's KV so far, ``[layers, 2, kv_heads,
+    N, head_dim]`` in the pass's dtype with its first ``start`` positions filled and room for
+    the chunk. Each layer's new keys/values are written there after them and attention reads
+    a view of it, so neither the past nor the chunk is copied again (a concatenation of the
+    two would copy the whole past once a layer, every pass of a long prompt)."""
 
     def __init__(self, num_layers: int,
-                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 into: torch.Tensor | None = None, start: int = 0) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.past = past
+        self.into, self.start = into, start
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [B, kv_heads, S, head_dim]
         self.keys[layer_idx] = key_states
         self.values[layer_idx] = value_states
+        if self.into is not None:
+            end = self.start + key_states.shape[2]
+            keys, values = self.into[layer_idx, 0], self.into[layer_idx, 1]
+            keys[:, self.start : end] = key_states[0]
+            values[:, self.start : end] = value_states[0]
+            return keys[None, :, :end], values[None, :, :end]
         if self.past is None:
             return key_states, value_states
         past_k, past_v = self.past[layer_idx]
         return (torch.cat([past_k.to(key_states), key_states], dim=2),
                 torch.cat([past_v.to(value_states), value_states], dim=2))
+
+    def row_kvs(self, lens: list[int], layout: KVLayout, dtype: torch.dtype,
+                device: torch.device) -> list[torch.Tensor]:
+        """Per row, the KV of its new tokens only ``[layers, 2, kv_heads, len_i, head_dim]``
+        (contiguous, ``dtype``, on ``device``); with ``into``, the view of it that holds them."""
+        if self.into is not None:
+            return [self.into[:, :, :, self.start : self.start + lens[0]]]
+        kvs = []
+        for i, n in enumerate(lens):
+            kv = torch.empty((layout.num_layers, 2, layout.num_kv_heads, n, layout.head_dim),
+                             dtype=dtype, device=device)
+            for layer_idx in range(layout.num_layers):
+                kv[layer_idx, 0] = self.keys[layer_idx][i, :, :n]
+                kv[layer_idx, 1] = self.values[layer_idx][i, :, :n]
+            kvs.append(kv)
+        return kvs
 
 
 def past_mask(starts: list[int], seq: int) -> torch.Tensor:

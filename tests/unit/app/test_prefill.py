@@ -107,7 +107,7 @@ def test_chunked_prefill_equals_one_pass(tiny_model):
     calls = []
     real = chunked_prefiller.runner.prefill_layers
     chunked_prefiller.runner.prefill_layers = (
-        lambda batch, past=None: calls.append(max(map(len, batch))) or real(batch, past))
+        lambda batch, *rest: calls.append(max(map(len, batch))) or real(batch, *rest))
     chunked = chunked_prefiller.make_packages(reqs)
     assert max(calls) == 8 and len(calls) >= 45 // 8  # the long prompts took several passes
     for a, b in zip(whole, chunked, strict=True):
@@ -136,9 +136,9 @@ def test_prefill_uses_bounded_batches(tiny_model):
     sizes: list[tuple[int, int]] = []
     real_prefill = core.runner.prefill_layers
 
-    def recording(batch, past=None):
+    def recording(batch, *rest):
         sizes.append((len(batch), max(len(p) for p in batch)))
-        return real_prefill(batch, past)
+        return real_prefill(batch, *rest)
 
     core.runner.prefill_layers = recording
     reqs = [_req(f"b{i}", n) for i, n in enumerate((15, 12, 16, 20, 13, 15))]
@@ -198,7 +198,7 @@ def test_invalid_request_fails_batch_before_compute(tiny_model):
     calls = []
     real_prefill = prefiller.runner.prefill_layers
     prefiller.runner.prefill_layers = (
-        lambda batch, past=None: calls.append(batch) or real_prefill(batch, past))
+        lambda batch, *rest: calls.append(batch) or real_prefill(batch, *rest))
     with pytest.raises(ContextLengthError):
         prefiller.make_packages([_req("good", 5), _req("bad", 40)])
     assert calls == []
@@ -213,7 +213,7 @@ def test_n_answers_get_one_prefill_and_a_first_token_each(tiny_model):
     calls = []
     real = prefiller.runner.prefill_layers
     prefiller.runner.prefill_layers = (
-        lambda batch, past=None: calls.append(len(batch)) or real(batch, past))
+        lambda batch, *rest: calls.append(len(batch)) or real(batch, *rest))
     [pkg] = prefiller.make_packages([PrefillRequest("m", prompt, sampled, n=4)])
     assert calls == [1] and len(pkg.choice_first_tokens) == 4
     for k in range(4):
@@ -253,6 +253,37 @@ def test_a_jobs_kv_is_copied_once_into_one_tensor_as_its_parts_arrive():
     kv = job.kv()
     assert job.whole is whole and kv.is_contiguous() and kv.data_ptr() == whole.data_ptr()
     assert torch.equal(kv, torch.cat([a, b, c], 3))
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
+def test_a_prompt_alone_in_its_pass_writes_each_chunk_into_its_kv_in_place(tiny_model,
+                                                                           kv_dtype):
+    """A long prompt's later chunks, alone in their passes, write their keys/values straight
+    into the job's KV so far (held in the runner's dtype) and attend over a view of it: no
+    past + chunk concatenation a layer, no copy of the chunk afterwards. The package is in
+    the KV dtype and equals one pass over the whole prompt."""
+    req = PrefillRequest("long", tuple(random.Random(5).randrange(3, 200) for _ in range(45)),
+                         GREEDY)
+    [want] = _prefiller(tiny_model, prefix_cache_mb=0, kv_dtype=kv_dtype).make_packages([req])
+    prefiller = _prefiller(tiny_model, prefill_chunk_tokens=8, prefix_cache_mb=0,
+                           kv_dtype=kv_dtype)
+    assert prefiller.work_dtype == prefiller.runner.dtype == torch.float32
+    job = prefiller.new_job(req)
+    intos, real = [], prefiller.runner.prefill_layers
+    prefiller.runner.prefill_layers = (
+        lambda batch, past=None, into=None: intos.append(into) or real(batch, past, into))
+    packages = [None]
+    while packages[0] is None:
+        packages = prefiller.run_pass([job])
+        assert job.parts == [] or job.done == 8  # the first chunk's KV waits as a part
+    assert intos[0] is None and len(intos) == 6
+    assert all(into is job.whole for into in intos[1:])
+    assert job.whole.dtype == torch.float32 and job.in_whole == 45
+    got = packages[0]
+    assert got.first_token == want.first_token
+    assert got.kv_tensor().dtype == want.kv_tensor().dtype == prefiller.runner.kv_dtype
+    torch.testing.assert_close(got.kv_tensor().float(), want.kv_tensor().float(),
+                               atol=1e-5 if kv_dtype is None else 1e-2, rtol=0)
 
 
 def test_one_rows_past_is_its_own_kv_not_a_padded_copy():

@@ -36,9 +36,9 @@ def _log_passes(server: ColocatedServer) -> list[tuple[str, int]]:
     runner, log = server.core.runner, []
     prefill, decode, mixed = runner.prefill_layers, runner.decode, runner.forward_mixed
 
-    def logged_prefill(prompts, past=None):
+    def logged_prefill(prompts, *rest):
         log.append(("prefill", 0))
-        return prefill(prompts, past)
+        return prefill(prompts, *rest)
 
     def logged_decode(cache, tables, *args):
         log.append(("decode", len(tables)))
