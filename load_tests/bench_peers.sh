@@ -15,16 +15,18 @@
 # of the machine lands on all of them. Servers:
 #   vllm          vLLM at the dtype, its defaults otherwise (--max-num-batched-tokens: its own)
 #   vllm-matched  vLLM at the dtype with --max-num-batched-tokens set to this app's prefill
-#                 chunk (engine.prefill_chunk_tokens of serve_configs/local.yaml)
-#   split         serve_configs/local.yaml with engine.dtype set to the dtype
-#   colocated     serve_configs/local-colocated.yaml likewise
+#                 chunk (engine.prefill_chunk_tokens of $CONFIGS/local.yaml)
+#   split         $CONFIGS/local.yaml with engine.dtype set to the dtype
+#   colocated     $CONFIGS/local-colocated.yaml likewise
+# CONFIGS is the folder of this app's serve configs: serve_configs, or BASE_CONFIGS (a copy
+# with a setting changed, for an experiment; the configs as run land in OUT either way).
 # Before each round the read bandwidth is measured (load_tests/stream_bw.py, 1 and 2 threads):
 # the decode floor is the weights' bytes over it.
 #
 # Knobs: ROUNDS (3), WORKLOADS ("W-single W-short W-long"; see peer_bench.sh), DTYPES
 # (bfloat16 and float32 where the CPU has avx512_bf16, vLLM's default dtype there; else
-# float32), SERVERS ("vllm vllm-matched split colocated"), OUT (docs/benchmarks/results/
-# <date>-<cpu>), plus peer_bench.sh's (ports, timeouts).
+# float32), SERVERS ("vllm vllm-matched split colocated"), BASE_CONFIGS (serve_configs),
+# OUT (docs/benchmarks/results/<date>-<cpu>), plus peer_bench.sh's (ports, timeouts).
 #
 # Layout of OUT: machine.txt (CPU model, flags, cores, memory, commit, versions), peer/ (the
 # peer scripts as run), configs/<dtype>/ (this app's serve configs as run), <dtype>/round-N/
@@ -49,10 +51,12 @@ fi
 ROUNDS=${ROUNDS:-3}
 WORKLOADS=${WORKLOADS:-"W-single W-short W-long"}
 SERVERS=${SERVERS:-"vllm vllm-matched split colocated"}
-chunk=$("$PY" - <<'EOF'
+CONFIGS=${BASE_CONFIGS:-serve_configs}
+chunk=$("$PY" - "$CONFIGS" <<'EOF'
+import sys
 import yaml
 from app.config import EngineConfig
-engine = yaml.safe_load(open("serve_configs/local.yaml"))["applications"][0]["args"]["engine"]
+engine = yaml.safe_load(open(sys.argv[1] + "/local.yaml"))["applications"][0]["args"]["engine"]
 print(engine.get("prefill_chunk_tokens", EngineConfig().prefill_chunk_tokens))
 EOF
 )
@@ -84,7 +88,7 @@ cp "$PEER_SCRIPTS"/*.sh "$OUT/peer/"
 for dtype in $DTYPES; do
   mkdir -p "$OUT/configs/$dtype"
   for cfg in local local-colocated; do
-    "$PY" - "$dtype" "serve_configs/$cfg.yaml" "$OUT/configs/$dtype/$cfg.yaml" <<'EOF'
+    "$PY" - "$dtype" "$CONFIGS/$cfg.yaml" "$OUT/configs/$dtype/$cfg.yaml" <<'EOF'
 import sys, yaml
 dtype, src, dst = sys.argv[1:]
 config = yaml.safe_load(open(src))
