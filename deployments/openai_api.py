@@ -251,17 +251,22 @@ class RequestIds(_HttpMiddleware):
 api.add_middleware(BodyLimit)
 
 
-@api.middleware("http")
-async def require_api_key(request: Request, call_next):
-    """With an API key configured, every route but /health needs it as a bearer token."""
-    key = getattr(request.app.state, "api_key", None)
-    if key and _route_path(request) not in _OPEN_PATHS:
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            return error_response(AuthenticationError())
-    return await call_next(request)
+class ApiKey(_HttpMiddleware):
+    """With an API key configured, every route but /health needs it as a bearer token. Plain
+    ASGI, as the others: a streamed answer's chunks pass straight through (Starlette's
+    ``@app.middleware("http")`` carries each chunk through a memory stream of its own)."""
+
+    async def http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        key = getattr(scope["app"].state, "api_key", None)
+        if key and _route_path(Request(scope)) not in _OPEN_PATHS:
+            given = self.header(scope, b"authorization") or b""
+            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
+                await error_response(AuthenticationError())(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
+api.add_middleware(ApiKey)
 api.add_middleware(RequestIds)
 
 
