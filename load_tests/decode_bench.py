@@ -20,7 +20,7 @@ side, interleaved in rounds so that a busy spell of a shared machine hits every 
 * KV memory: tokens the running sequences hold over the tokens their blocks in use hold.
 
     python -m load_tests.decode_bench [--variants float32+packed,float32+packed+onednn,float32]
-        [--threads 1] [--rounds 5]
+        [--threads 1] [--rounds 5] [--model smollm2-135m-instruct]
 """
 
 from __future__ import annotations
@@ -129,12 +129,13 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
 class Variant:
     """One engine (dtype, packed or not) with its floor and its batch-1 and batch-8 runs."""
 
-    def __init__(self, name: str, threads: int, prefill: bool = True) -> None:
+    def __init__(self, name: str, threads: int, prefill: bool = True,
+                 model: str = DEFAULT_MODEL) -> None:
         dtype, *flags = name.split("+")
         unknown = set(flags) - {"packed", "onednn", "gather", "unfused", "avx2", "int8"}
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
-        self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype,
+        self.core = EngineCore(EngineConfig(model=model, dtype=dtype,
                                             num_threads=threads,
                                             weights="int8" if "int8" in flags else None,
                                             kernels=KernelConfig(
@@ -181,12 +182,13 @@ class Variant:
 
 
 def measure(names: list[str], threads: int, rounds: int, steps: int,
-            join: bool = True, prefill: bool = True) -> dict[str, dict]:
+            join: bool = True, prefill: bool = True,
+            model: str = DEFAULT_MODEL) -> dict[str, dict]:
     """Every variant's figures; rounds interleave the variants (and, in each, the floor,
     both batches and the prefill) so that a slow spell of a shared machine hits all of them
     alike."""
     torch.set_num_threads(threads)
-    variants = {name: Variant(name, threads, prefill) for name in names}
+    variants = {name: Variant(name, threads, prefill, model) for name in names}
     for _ in range(rounds):
         for variant in variants.values():
             variant.round(steps)
@@ -209,11 +211,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the 1024-token join")
     parser.add_argument("--no-prefill", action="store_true",
                         help="skip the 1024-token prefill")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="engine.model: the embedded default, a local HF folder or a hub id")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     CONTEXT = args.context
     results = measure(args.variants.split(","), args.threads, args.rounds, args.steps,
-                      join=not args.no_join, prefill=not args.no_prefill)
+                      join=not args.no_join, prefill=not args.no_prefill, model=args.model)
     keys = ["weight_mb", "floor_ms", "step1_ms", "step8_ms", "prefill1024_ms", "step1_over_floor",
             "step8_over_step1", "ideal8_fraction", "median_step_ms", "join_step_ms",
             "longest_over_median", "kv_efficiency_batch8", "kv_efficiency_after_join"]

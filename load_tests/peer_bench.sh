@@ -34,7 +34,8 @@
 # longer on a loaded one), BENCH_TIMEOUT (1800 s per client run), PY (.venv/bin/python),
 # VLLM_LABEL (vllm: the name vLLM's result files carry, e.g. vllm-matched for a second vLLM
 # configuration in the same folder), SKIP_FLOOR (1: no decode_bench run; load_tests/
-# bench_peers.sh measures the read bandwidth instead). Several runs may share one OUT: each
+# bench_peers.sh measures the read bandwidth instead), FLOOR_DTYPE (the dtype of that run, on
+# APP_MODEL: default the `--dtype` in VLLM_ARGS, else float32). Several runs may share one OUT: each
 # appends to its run-info.txt. `make bench-peers` (load_tests/bench_peers.sh) runs this script
 # in interleaved, rotated rounds.
 #
@@ -224,7 +225,9 @@ run_app() {
 # replica's one thread) and the engine's own step, in the same run as the servers
 if [ -x "$PY" ] && [ "${SKIP_FLOOR:-0}" != 1 ]; then
   echo "== decode step against the floor (load_tests/decode_bench.py, one thread)"
-  "$PY" -m load_tests.decode_bench --variants float32+packed --rounds 3 --steps 6 --no-join \
+  floor_dtype=${FLOOR_DTYPE:-$(sed -nE 's/.*--dtype[ =]([a-z0-9]+).*/\1/p' <<<"${VLLM_ARGS:-}")}
+  "$PY" -m load_tests.decode_bench --variants "${floor_dtype:-float32}+packed" --rounds 3 \
+    --steps 6 --no-join --model "$APP_MODEL" \
     --json "$OUT/decode_bench.json" 2>/dev/null | tee "$OUT/decode_bench.txt" \
     || failed+=("decode_bench")
 fi
