@@ -263,8 +263,9 @@ class Prefiller:
         chunks = [list(j.req.prompt_token_ids[j.done : j.done + self.chunk_of(j)])
                   for j in rows]
         # a prompt's later chunks, alone in their pass: written straight into its KV so far
-        in_place = len(rows) == 1 and rows[0].done > 0 and self.work_dtype is not None
-        past = [j.kv(self.work_dtype, room=in_place) for j in rows]
+        work = self.work_dtype
+        in_place = len(rows) == 1 and rows[0].done > 0 and work is not None
+        past = [j.kv(work, room=in_place) for j in rows]
         steps = self.runner.prefill_layers(
             chunks, past if any(p is not None for p in past) else None,
             rows[0].whole if in_place else None)
