@@ -79,6 +79,7 @@ class StreamStart:
     replica_id: str = ""  # the decode replica serving the stream
     prefill_done_at: float = 0.0  # time.time() when the prefill returned the package
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefill's prefix cache
+    fed: bool = False  # the tokens go through the ingress's token feed, not this stream
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,6 +84,9 @@ class PhaseArgs(_Deployment):
         "graceful_shutdown_wait_loop_s": 1.0,
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
+        # Serve's default router, but an ingress's token feed goes to the replica it names
+        "request_router_config": {
+            "request_router_class": "deployments.token_feed.FeedRouter"},
     }
 
     resource_tag: str | None = Field(
@@ -190,6 +193,10 @@ class IngressArgs(_Deployment):
     trace_history: int = Field(
         1024, ge=0, description="Finished requests whose server-side timings (queueing, "
         "prefill, KV hop, decode) the ingress keeps for GET /debug/requests; 0 turns it off.")
+    token_feed: bool = Field(
+        True, description="Decode replicas send this ingress each step's tokens for all its "
+        "streams as one Ray stream item (deployments.token_feed) instead of one item per "
+        "token per stream: the same tokens, far less Ray work per token on both sides.")
     tool_call_parser: Literal["hermes"] | None = Field(
         None, description="The model's own tool-call format, read from its answers for "
         'tool_choice "auto" (app.tools.PARSERS); None: "auto" with tools is a 400.')

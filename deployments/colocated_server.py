@@ -53,15 +53,17 @@ class ColocatedServer(DecodeReplica):
         the handle for the one prefill of an ``n > 1`` request."""
         return await self.batcher.enqueue(req)
 
-    async def generate_local(self, req: PrefillRequest) -> AsyncIterator[StreamStart | TokenEvent]:
+    async def generate_local(self, req: PrefillRequest, feed: str | None = None,
+                             ) -> AsyncIterator[StreamStart | TokenEvent]:
         """Prefill ``req`` here, then stream its tokens from this replica's running batch: a
         :class:`StreamStart`, then tokens."""
         package = await self.make_kv_package(req)
+        out = self.feeds.get(feed) if feed is not None else None
         yield StreamStart(self.node_id, package.kv_nbytes, time.time() - package.created_at, 0.0,
                           package.prefill_s, local_prefill=True, replica_id=self.replica_id,
                           prefill_done_at=package.created_at,
-                          cached_tokens=package.cached_tokens)
-        async for event in self._stream(package):
+                          cached_tokens=package.cached_tokens, fed=out is not None)
+        async for event in self._stream(package, out):
             yield event
 
     def stats(self) -> dict[str, Any]:

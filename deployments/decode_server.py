@@ -46,16 +46,18 @@ class DecodeServer(DecodeReplica):
         self.local_prefills += 1
         return package
 
-    async def generate_local(self, req: PrefillRequest) -> AsyncIterator[Any]:
+    async def generate_local(self, req: PrefillRequest, feed: str | None = None,
+                             ) -> AsyncIterator[Any]:
         """Prefill a short prompt on this replica, then decode it in this replica's batch:
         the same stream as :meth:`generate` (a :class:`StreamStart`, then tokens) without
         the KV hop."""
         package = await self.make_kv_package(req)
+        out = self.feeds.get(feed) if feed is not None else None
         yield StreamStart(self.node_id, package.kv_nbytes, 0.0, 0.0, package.prefill_s,
                           local_prefill=True, replica_id=self.replica_id,
                           prefill_done_at=package.created_at,
-                          cached_tokens=package.cached_tokens)
-        async for event in self._stream(package):
+                          cached_tokens=package.cached_tokens, fed=out is not None)
+        async for event in self._stream(package, out):
             yield event
 
     def prefills_waiting(self) -> int:

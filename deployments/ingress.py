@@ -56,6 +56,7 @@ from deployments.protocol import (
 from deployments.request_prep import RequestPrep
 from deployments.request_trace import RequestTrace, TraceHistory
 from deployments.split_path import SplitPath
+from deployments.token_feed import FeedHub
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Ingress(RequestPrep, Answers):
             local_prefill_when_busy=self.args.local_prefill_when_busy,
             prefill_busy_tokens=self.args.busy_prefill_tokens,
             prefill_preempts=self.args.engine.prefill_preempt_layers > 0,
+            feeds=FeedHub(decode) if self.args.ingress.token_feed else None,
             kv_bytes_per_token=KVLayout(
                 self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim,
                 dtype_name(self.args.engine.torch_kv_dtype)).bytes_per_token())

@@ -23,6 +23,7 @@ from app.model_loader import load_tokenizer
 from app.prefill_queue import _stall
 from deployments.args import AppArgs
 from deployments.metrics import DecodeMetrics, KernelMetrics
+from deployments.token_feed import FeedOut, serve_feed
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +89,13 @@ class DecodeReplica:
         self.hop_s_total = 0.0
         self._stats_task: asyncio.Task | None = None
         self.unhealthy: str | None = None  # set when the health check finds the loop wedged
+        self.feeds: dict[str, FeedOut] = {}  # ingress id -> its token feed from this replica
 
     async def generate(self, wrapped_ref: list[ray.ObjectRef],
-                       choice: int | None = None) -> AsyncIterator[Any]:
-        """Stream one request: a :class:`StreamStart`, then :class:`TokenEvent` items.
+                       choice: int | None = None, feed: str | None = None,
+                       ) -> AsyncIterator[Any]:
+        """Stream one request: a :class:`StreamStart`, then :class:`TokenEvent` items (or,
+        when ingress ``feed`` has a token feed open here, the tokens go through that).
 
         ``wrapped_ref`` holds the KV package's ObjectRef inside a list so Ray passes it here
         unresolved; this replica resolves it, pulling the bytes from the node that made it.
@@ -111,23 +115,40 @@ class DecodeReplica:
         self.hop_s_total += hop
         self.metrics.kv_hop.observe(hop)
         self.metrics.kv_hop_bytes.inc(package.kv_nbytes)
+        out = self.feeds.get(feed) if feed is not None else None
         yield StreamStart(self.node_id, package.kv_nbytes, hop, fetched - t0, package.prefill_s,
                           replica_id=self.replica_id, prefill_done_at=package.created_at,
-                          cached_tokens=package.cached_tokens)
-        async for event in self._stream(package):
+                          cached_tokens=package.cached_tokens, fed=out is not None)
+        async for event in self._stream(package, out):
             yield event
 
-    async def _stream(self, package: KVPackage) -> AsyncIterator[Any]:
-        """Join ``package`` to the running batch and yield its tokens. A stream this replica
-        gave up (unhealthy) raises a retryable error instead of ending quietly."""
+    async def _stream(self, package: KVPackage, out: FeedOut | None) -> AsyncIterator[Any]:
+        """Join ``package`` to the running batch and yield its tokens, or push them into
+        ``out``, its ingress's token feed. A stream this replica gave up (unhealthy) raises
+        a retryable error instead of ending quietly."""
         self._ensure_stats_task()
         self.started += 1
         events = self.loop.generate(package)
         del package  # the decode loop holds the only reference until it copies the KV in
-        async for event in events:
-            if event.error is not None and self.unhealthy:
-                raise ReplicaUnhealthyError(f"decode replica unhealthy: {event.error}")
-            yield event
+        if out is not None:
+            out.attached += 1
+        try:
+            async for event in events:
+                if event.error is not None and self.unhealthy:
+                    raise ReplicaUnhealthyError(f"decode replica unhealthy: {event.error}")
+                if out is None:
+                    yield event
+                else:
+                    out.push(event)
+        finally:
+            if out is not None:
+                out.attached -= 1
+
+    async def feed(self, ingress_id: str, feed_replica: str) -> AsyncIterator[Any]:
+        """The token feed of an ingress's streams on this replica
+        (``deployments.token_feed``): this replica's id, then a list of tokens per step."""
+        async for item in serve_feed(self.feeds, ingress_id, self.replica_id, feed_replica):
+            yield item
 
     def _ensure_stats_task(self) -> None:
         if self._stats_task is None or self._stats_task.done():

@@ -21,6 +21,7 @@ from app.output import GenerationFailed
 from deployments.kv_budget import KVBudget, Reservation
 from deployments.request_trace import RequestTrace
 from deployments.retries import is_retryable, resume_request, unwrap_error
+from deployments.token_feed import FeedHub, fed_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +118,10 @@ class SplitPath:
                  locate: Callable[[Any], tuple[list[str], int | None]] = kv_object_locations,
                  kv_budget: KVBudget | None = None, kv_bytes_per_token: int = 0,
                  local_prefill_when_busy: int = 0, prefill_busy_tokens: int = 1,
-                 prefill_preempts: bool = False) -> None:
+                 prefill_preempts: bool = False, feeds: FeedHub | None = None) -> None:
         self.prefill = prefill
         self.decode = decode
+        self.feeds = feeds  # the token feeds from the decode replicas (None: per-token)
         self.kv_budget = kv_budget
         self.kv_bytes_per_token = kv_bytes_per_token
         self.local_prefill_threshold = local_prefill_threshold
@@ -263,6 +265,8 @@ class SplitPath:
         prefill_call = None
         held: Reservation | None = None  # a shared package's is released by the caller
         backlog: Backlog | None = None  # this attempt's tokens in a backlog count
+        feed = self.feeds if shared is None else None  # an answer of n: its own stream
+        fed = {"feed": feed.id} if feed is not None else {}
         if shared is not None:
             package, choice = shared
             ref = package.ref
@@ -272,7 +276,7 @@ class SplitPath:
                 self.local_when_busy += 1
                 trace.prefill_busy_backlog = self.prefill_backlog_tokens
             backlog = Backlog(self, preq.num_tokens, local=True, short=False)
-            stream = self.decode.options(stream=True).generate_local.remote(preq)
+            stream = self.decode.options(stream=True).generate_local.remote(preq, **fed)
         else:
             held = await self.reserve_kv(preq, trace)
             backlog = Backlog(self, preq.num_tokens, local=False, short=self._is_short(preq))
@@ -286,7 +290,8 @@ class SplitPath:
                     prefill_call.cancel()  # client gone or timed out: drop the queued prompt
                 raise
             # the list keeps Ray from resolving the ref here: decode resolves it on its node
-            stream = self.decode.options(stream=True).generate.remote([ref])
+            stream = self.decode.options(stream=True).generate.remote([ref], **fed)
+        queue = feed.open(preq.request_id) if feed is not None else None
         try:
             async for item in stream:
                 if isinstance(item, StreamStart):
@@ -295,9 +300,15 @@ class SplitPath:
                     prefill_call = None
                     if backlog is not None:
                         backlog.drop()
+                    if feed is not None and feed.started(item, preq.request_id):
+                        async for event in fed_tokens(stream, queue):
+                            yield event
+                        return
                     continue
                 yield item
         finally:
+            if feed is not None:
+                feed.close(preq.request_id)
             stream.cancel()
             if backlog is not None:
                 backlog.drop()

@@ -238,14 +238,14 @@ def test_each_engine_part_s_path_is_a_gauge(records, tiny_model):
 
 
 async def test_decode_server_records_the_kv_hop(records):
-    async def stream(package):
+    async def stream(package, out):
         yield "token"
 
     package = SimpleNamespace(kv_nbytes=4096, created_at=0.0, prefill_s=0.01,
                               cached_tokens=0)
     server = SimpleNamespace(metrics=metrics.DecodeMetrics(MODEL), node_id="n",
                              replica_id="r", kv_bytes_received=0, hop_s_total=0.0,
-                             _stream=stream)
+                             _stream=stream, feeds={})
     ref = asyncio.get_running_loop().create_future()
     ref.set_result(package)
     out = [e async for e in DecodeServer.func_or_class.generate(server, [ref])]

@@ -56,6 +56,7 @@ class FakeHandle:
     def __init__(self, **methods: Callable[..., FakeCall]) -> None:
         self.methods = methods
         self.calls: list[tuple[str, tuple]] = []
+        self.kwargs: list[dict[str, Any]] = []
 
     def options(self, **_: Any) -> FakeHandle:
         return self
@@ -65,10 +66,11 @@ class FakeHandle:
 
         class _Method:
             @staticmethod
-            def remote(*args: Any) -> FakeCall:
+            def remote(*args: Any, **kwargs: Any) -> FakeCall:
                 if name == "ping" and "ping" not in handle.methods:
                     return FakeCall(value="node")  # a live replica answers (not recorded)
                 handle.calls.append((name, args))
+                handle.kwargs.append(kwargs)  # the ingress's token feed id, when it has one
                 return handle.methods[name](*args)
 
         return _Method
