@@ -58,15 +58,16 @@ class ColocatedServer(DecodeReplica):
         """Prefill ``req`` here, then stream its tokens from this replica's running batch: a
         :class:`StreamStart`, then tokens."""
         package = await self.make_kv_package(req)
-        out = self.feeds.get(feed) if feed is not None else None
-        yield StreamStart(self.node_id, package.kv_nbytes, time.time() - package.created_at, 0.0,
-                          package.prefill_s, local_prefill=True, replica_id=self.replica_id,
-                          prefill_done_at=package.created_at,
-                          cached_tokens=package.cached_tokens, fed=out is not None)
-        async for event in self._stream(package, out):
-            yield event
+        start = StreamStart(self.node_id, package.kv_nbytes, time.time() - package.created_at, 0.0,
+                            package.prefill_s, local_prefill=True, replica_id=self.replica_id,
+                            prefill_done_at=package.created_at,
+                            cached_tokens=package.cached_tokens)
+        async for item in self._stream(start, package, feed):
+            yield item
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, on_replica: str | None = None) -> dict[str, Any]:
+        """This replica's state; ``on_replica`` routes the call to that replica
+        (``deployments.token_feed.FeedRouter``)."""
         b = self.batcher
         return {
             **self.decode_stats(),

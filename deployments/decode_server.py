@@ -52,13 +52,12 @@ class DecodeServer(DecodeReplica):
         the same stream as :meth:`generate` (a :class:`StreamStart`, then tokens) without
         the KV hop."""
         package = await self.make_kv_package(req)
-        out = self.feeds.get(feed) if feed is not None else None
-        yield StreamStart(self.node_id, package.kv_nbytes, 0.0, 0.0, package.prefill_s,
-                          local_prefill=True, replica_id=self.replica_id,
-                          prefill_done_at=package.created_at,
-                          cached_tokens=package.cached_tokens, fed=out is not None)
-        async for event in self._stream(package, out):
-            yield event
+        start = StreamStart(self.node_id, package.kv_nbytes, 0.0, 0.0, package.prefill_s,
+                            local_prefill=True, replica_id=self.replica_id,
+                            prefill_done_at=package.created_at,
+                            cached_tokens=package.cached_tokens)
+        async for item in self._stream(start, package, feed):
+            yield item
 
     def prefills_waiting(self) -> int:
         return self.local_prefilling
@@ -80,7 +79,9 @@ class DecodeServer(DecodeReplica):
             autoscaling.DECODE_TPOT_MS: self._tpot_ms(),
         }
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, on_replica: str | None = None) -> dict[str, Any]:
+        """This replica's state; ``on_replica`` routes the call to that replica
+        (``deployments.token_feed.FeedRouter``)."""
         return {
             **self.decode_stats(),
             "kv_bytes_received": self.kv_bytes_received,

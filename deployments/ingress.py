@@ -123,6 +123,8 @@ class Ingress(RequestPrep, Answers):
                                "local_prefills_when_busy": self.path.local_when_busy}
         if self.kv_budget is not None:
             out.update(self.kv_budget.stats())
+        if self.path.feeds is not None:
+            out.update(self.path.feeds.stats())
         if self.admission is not None:
             out.update(waiting_first_token=self.admission.waiting,
                        refused_for_wait=self.admission.refused,

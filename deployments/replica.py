@@ -4,6 +4,7 @@ and fault injection (the prefill queue: ``app.prefill_queue``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -115,24 +116,29 @@ class DecodeReplica:
         self.hop_s_total += hop
         self.metrics.kv_hop.observe(hop)
         self.metrics.kv_hop_bytes.inc(package.kv_nbytes)
-        out = self.feeds.get(feed) if feed is not None else None
-        yield StreamStart(self.node_id, package.kv_nbytes, hop, fetched - t0, package.prefill_s,
-                          replica_id=self.replica_id, prefill_done_at=package.created_at,
-                          cached_tokens=package.cached_tokens, fed=out is not None)
-        async for event in self._stream(package, out):
-            yield event
+        start = StreamStart(self.node_id, package.kv_nbytes, hop, fetched - t0,
+                            package.prefill_s, replica_id=self.replica_id,
+                            prefill_done_at=package.created_at,
+                            cached_tokens=package.cached_tokens)
+        async for item in self._stream(start, package, feed):
+            yield item
 
-    async def _stream(self, package: KVPackage, out: FeedOut | None) -> AsyncIterator[Any]:
-        """Join ``package`` to the running batch and yield its tokens, or push them into
-        ``out``, its ingress's token feed. A stream this replica gave up (unhealthy) raises
-        a retryable error instead of ending quietly."""
-        self._ensure_stats_task()
-        self.started += 1
-        events = self.loop.generate(package)
-        del package  # the decode loop holds the only reference until it copies the KV in
+    async def _stream(self, start: StreamStart, package: KVPackage,
+                      feed: str | None) -> AsyncIterator[Any]:
+        """``start`` (``fed`` set when ingress ``feed`` has a token feed open here), then
+        ``package`` joins the running batch and its tokens are yielded, or pushed into that
+        feed. The feed counts the stream from before ``start`` is sent, so it cannot end
+        idle between the two. A stream this replica gave up (unhealthy) raises a retryable
+        error instead of ending quietly."""
+        out = self.feeds.get(feed) if feed is not None else None
         if out is not None:
             out.attached += 1
         try:
+            yield dataclasses.replace(start, fed=out is not None)
+            self._ensure_stats_task()
+            self.started += 1
+            events = self.loop.generate(package)
+            del package  # the decode loop holds the only reference until it copies the KV in
             async for event in events:
                 if event.error is not None and self.unhealthy:
                     raise ReplicaUnhealthyError(f"decode replica unhealthy: {event.error}")
@@ -144,10 +150,10 @@ class DecodeReplica:
             if out is not None:
                 out.attached -= 1
 
-    async def feed(self, ingress_id: str, feed_replica: str) -> AsyncIterator[Any]:
+    async def feed(self, ingress_id: str, on_replica: str) -> AsyncIterator[Any]:
         """The token feed of an ingress's streams on this replica
         (``deployments.token_feed``): this replica's id, then a list of tokens per step."""
-        async for item in serve_feed(self.feeds, ingress_id, self.replica_id, feed_replica):
+        async for item in serve_feed(self.feeds, ingress_id, self.replica_id, on_replica):
             yield item
 
     def _ensure_stats_task(self) -> None:

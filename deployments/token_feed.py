@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 FEED_IDLE_S = 2.0  # a feed with no stream attached for this long ends
 CONNECT_TIMEOUT_S = 10.0  # a feed not confirmed by its replica within this is given up
 REFUSED_RETRY_S = 30.0  # after a feed reached the wrong replica, per-token streams this long
-FEED_KWARG = "feed_replica"  # the feed call's keyword naming its replica (FeedRouter reads it)
+REPLICA_KWARG = "on_replica"  # a call's keyword naming the replica it must reach (FeedRouter)
 
 
 class FeedLost(ReplicaUnhealthyError):
@@ -111,8 +111,13 @@ class FeedHub:
         self.attached: dict[str, set[str]] = {}  # replica id -> request ids fed by it
         self.feeds: dict[str, asyncio.Task[None]] = {}
         self.refused: dict[str, float] = {}  # replica id -> monotonic time of a misroute
+        self.live: set[str] = set()  # replica ids whose feed is confirmed and open
         self.tokens = 0  # tokens received through feeds
         self.batches = 0  # the Ray stream items that carried them
+
+    def stats(self) -> dict[str, int]:
+        return {"token_feeds_open": len(self.live), "token_feed_tokens": self.tokens,
+                "token_feed_items": self.batches}
 
     def open(self, request_id: str) -> asyncio.Queue[Any]:
         """Before a request's stream is called: where its fed tokens will arrive."""
@@ -144,7 +149,8 @@ class FeedHub:
         return False
 
     async def _read(self, replica_id: str) -> None:
-        stream = self.decode.options(stream=True).feed.remote(self.id, **{FEED_KWARG: replica_id})
+        pin = {REPLICA_KWARG: replica_id}
+        stream = self.decode.options(stream=True).feed.remote(self.id, **pin)
         error: BaseException = FeedLost(f"token feed from {replica_id} ended")
         try:
             first = await asyncio.wait_for(stream.__aiter__().__anext__(), CONNECT_TIMEOUT_S)
@@ -153,6 +159,7 @@ class FeedHub:
                 logger.info("token feed for %s reached %s: per-token streams", replica_id,
                             first)
                 return
+            self.live.add(replica_id)
             async for batch in stream:
                 self.tokens += len(batch)
                 self.batches += 1
@@ -169,6 +176,7 @@ class FeedHub:
             error = exc
         finally:
             stream.cancel()
+            self.live.discard(replica_id)
             self.feeds.pop(replica_id, None)
             self._fail(replica_id, error)
 
@@ -215,13 +223,14 @@ async def fed_tokens(stream: Any, queue: asyncio.Queue[Any]) -> AsyncIterator[To
 
 
 class FeedRouter(PowerOfTwoChoicesRequestRouter):
-    """Serve's default router for a decode deployment, except that a feed call goes to the
-    replica it names (``feed_replica``), or to any when that one is gone (it then says so)."""
+    """Serve's default router for a decode deployment, except that a call naming a replica
+    (``on_replica=``: an ingress's token feed, one replica's stats) goes to that replica, or
+    to any when that one is gone (the answer says which replica it came from)."""
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
-        wanted = (pending_request.kwargs or {}).get(FEED_KWARG) if pending_request else None
+        wanted = (pending_request.kwargs or {}).get(REPLICA_KWARG) if pending_request else None
         if wanted is None:
             return await super().choose_replicas(candidate_replicas, pending_request)
         pinned = [r for r in candidate_replicas if r.replica_id.unique_id == wanted]

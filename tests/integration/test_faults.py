@@ -114,22 +114,27 @@ def kill(actor) -> None:
 
 
 def busy_decode_replica(min_active: int = 1, timeout_s: float = 30.0) -> str:
-    """The replica id of a decode replica that is streaming (asks each via the handle)."""
-    handle = serve.get_deployment_handle("DecodeServer", NAME)
+    """The replica id of a decode replica that is streaming (asks each in turn)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for _ in range(8):
-            st = handle.stats.remote().result(timeout_s=30)
+        for rid, st in all_stats("DecodeServer").items():
             if st["active"] >= min_active:
-                return st["replica_id"]
+                return rid
         time.sleep(0.05)
     raise TimeoutError("no decode replica is streaming")
 
 
 def all_stats(deployment: str) -> dict[str, dict]:
-    """stats() of every replica of a deployment (the handle picks replicas at random)."""
+    """stats() of every replica of a deployment: a decode replica asked by its id (its
+    router sends a call that names a replica there), a prefill one through the handle's
+    random choice."""
     handle = serve.get_deployment_handle(deployment, NAME)
     seen: dict[str, dict] = {}
+    if deployment == "DecodeServer":
+        for actor in replicas(deployment):
+            st = handle.stats.remote(on_replica=actor.name.split("#")[-1]).result(timeout_s=30)
+            seen[st["replica_id"]] = st
+        return seen
     for _ in range(32):
         st = handle.stats.remote().result(timeout_s=30)
         seen[st["replica_id"]] = st

@@ -107,6 +107,47 @@ def test_openai_client_greedy_matches_local_engine(split_app, reference):
     assert results == expected
 
 
+def test_streams_share_one_token_feed_item_per_decode_step(split_app, reference):
+    """Once a stream opened the ingress's token feed to the decode replica, concurrent
+    streams' tokens come through it, about one Ray stream item per decode step for all of
+    them, and are exactly the local engine's."""
+    ingress = serve.get_app_handle(APP)
+    url = f"{split_app.url}/v1/chat/completions"
+
+    def body(prompt: str) -> dict:
+        return {"model": "smollm2-135m-instruct", "max_tokens": 24, "temperature": 0,
+                "stream": True, "messages": [{"role": "user", "content": prompt}]}
+
+    async def text(client: httpx.AsyncClient, prompt: str) -> str:
+        out = ""
+        async with client.stream("POST", url, json=body(prompt), timeout=120) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        out += choice["delta"].get("content") or ""
+        return out
+
+    async def run(prompts: list[str]) -> list[str]:
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(text(client, p) for p in prompts))
+
+    # a feed ends 2 s after its last stream: on a slow machine the four may start after
+    # it ended (and stream their own tokens, still exact); a few tries
+    fed: list[tuple[int, int]] = []
+    for _ in range(3):
+        assert asyncio.run(run(PROMPTS[:1])) == [reference[0].text]  # opens or keeps it
+        before = ingress.stats.remote().result(timeout_s=60)
+        assert asyncio.run(run(PROMPTS)) == [r.text for r in reference]
+        after = ingress.stats.remote().result(timeout_s=60)
+        fed.append((after["token_feed_tokens"] - before["token_feed_tokens"],
+                    after["token_feed_items"] - before["token_feed_items"]))
+        if fed[-1][0] >= sum(len(r.token_ids) for r in reference):
+            break
+    tokens, items = fed[-1]
+    assert tokens >= sum(len(r.token_ids) for r in reference), fed
+    assert items <= tokens / 2, fed  # four streams' tokens a step in one item, most steps
+
+
 def test_completions_endpoint_and_models(split_app, reference):
     r = httpx.get(f"{split_app.url}/v1/models", timeout=30)
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "smollm2-135m-instruct"

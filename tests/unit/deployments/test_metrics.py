@@ -238,7 +238,8 @@ def test_each_engine_part_s_path_is_a_gauge(records, tiny_model):
 
 
 async def test_decode_server_records_the_kv_hop(records):
-    async def stream(package, out):
+    async def stream(start, package, feed):
+        yield start
         yield "token"
 
     package = SimpleNamespace(kv_nbytes=4096, created_at=0.0, prefill_s=0.01,
