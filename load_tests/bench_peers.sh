@@ -28,8 +28,9 @@
 # float32), SERVERS ("vllm vllm-matched split colocated"), BASE_CONFIGS (serve_configs),
 # OUT (docs/benchmarks/results/<date>-<cpu>), plus peer_bench.sh's (ports, timeouts).
 #
-# Layout of OUT: machine.txt (CPU model, flags, cores, memory, commit, versions), peer/ (the
-# peer scripts as run), configs/<dtype>/ (this app's serve configs as run), <dtype>/round-N/
+# Layout of OUT: machine.txt (CPU model, flags, cores, memory, commit, versions, and the
+# sha256 of each peer script as run: the same scripts in every folder, so not copied),
+# configs/<dtype>/ (this app's serve configs as run), <dtype>/round-N/
 # (every server's result JSON, run-info.txt with the command lines, logs/, stream.json), and
 # <dtype>/table.md (load_tests/peer_rounds.py over the rounds). Regenerate the tables in
 # BENCHMARKS.md from it with load_tests/bench_tables.py.
@@ -81,10 +82,11 @@ OUT=$(cd "$OUT" && pwd)
   echo "vllm: $("$PEER/vllm-venv/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null)"
   echo "rounds: $ROUNDS; dtypes: $DTYPES; workloads: $WORKLOADS; servers: $SERVERS"
   echo "vllm-matched: --max-num-batched-tokens $chunk (this app's engine.prefill_chunk_tokens)"
+  for script in "$PEER_SCRIPTS"/*.sh; do
+    echo "peer script: $(sha256sum "$script" | cut -c1-64) $(basename "$script")"
+  done
 } >"$OUT/machine.txt"
 cat "$OUT/machine.txt"
-mkdir -p "$OUT/peer"
-cp "$PEER_SCRIPTS"/*.sh "$OUT/peer/"
 for dtype in $DTYPES; do
   mkdir -p "$OUT/configs/$dtype"
   for cfg in local local-colocated; do
