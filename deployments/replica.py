@@ -218,9 +218,10 @@ class DecodeReplica:
             self.loop.fail_streams(message)
             raise RuntimeError(message)
 
-    async def inject_fault(self, kind: str, seconds: float = 0.0,
-                           target: str | None = None) -> str:
+    async def inject_fault(self, kind: str, seconds: float = 0.0, target: str | None = None,
+                           on_replica: str | None = None) -> str:
         """Fault tests only (``enable_fault_injection``): ``stall`` wedges the decode loop
         for ``seconds`` by holding the model (returns this replica's id); ``crash`` kills
-        this replica's process."""
-        return await inject_fault(self.args, self.core, kind, seconds, target)
+        this replica's process. ``on_replica`` targets a replica as ``target`` does and
+        routes the call there (``deployments.token_feed.FeedRouter``)."""
+        return await inject_fault(self.args, self.core, kind, seconds, target or on_replica)

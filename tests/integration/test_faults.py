@@ -156,8 +156,10 @@ def stall_all(deployment: str, seconds: float) -> None:
     targeted by id (a call lands on a random replica, and only the target acts)."""
     handle = serve.get_deployment_handle(deployment, NAME)
     for rid in all_stats(deployment):
+        # a decode replica's router sends a call that names one (on_replica=) there
+        at = {"on_replica": rid} if deployment == "DecodeServer" else {"target": rid}
         for _ in range(64):
-            if handle.inject_fault.remote("stall", seconds, rid).result(timeout_s=30) == rid:
+            if handle.inject_fault.remote("stall", seconds, **at).result(timeout_s=30) == rid:
                 break
         else:
             raise TimeoutError(f"could not reach {deployment} replica {rid}")
@@ -513,8 +515,8 @@ def test_wedged_decode_loop_fails_health_check_and_is_replaced(url, engine):
     [actor] = [a for a in replicas("DecodeServer") if rid in a.name]
     # stall the replica that holds the stream: its loop stops stepping, health check fails
     handle = serve.get_deployment_handle("DecodeServer", NAME)
-    for _ in range(64):  # each call lands on a random replica; only the target stalls
-        if handle.inject_fault.remote("stall", 60.0, rid).result(timeout_s=30) == rid:
+    for _ in range(64):  # routed to the target by its id; a replica gone: any, which refuses
+        if handle.inject_fault.remote("stall", 60.0, on_replica=rid).result(timeout_s=30) == rid:
             break
     else:
         raise TimeoutError("never reached the busy replica")
