@@ -21,6 +21,7 @@ feed ended) streams its tokens itself, and the ingress opens the feed for the ne
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -144,8 +145,11 @@ class FeedHub:
         refused = self.refused.get(replica_id)
         if refused is not None and time.monotonic() - refused < REFUSED_RETRY_S:
             return
+        # a context of its own: a call made in a request's context is that request's child,
+        # and Serve cancels it when the request is cancelled (its client went away)
         self.feeds[replica_id] = asyncio.get_running_loop().create_task(
-            self._read(replica_id), name=f"token-feed-{replica_id}")
+            self._read(replica_id), name=f"token-feed-{replica_id}",
+            context=contextvars.Context())
         return False
 
     async def _read(self, replica_id: str) -> None:
