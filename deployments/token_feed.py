@@ -144,7 +144,7 @@ class FeedHub:
             return False
         refused = self.refused.get(replica_id)
         if refused is not None and time.monotonic() - refused < REFUSED_RETRY_S:
-            return
+            return False
         # a context of its own: a call made in a request's context is that request's child,
         # and Serve cancels it when the request is cancelled (its client went away)
         self.feeds[replica_id] = asyncio.get_running_loop().create_task(
