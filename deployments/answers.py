@@ -24,8 +24,8 @@ from deployments.openai_api import error_response, merge_streams, sse_response
 from deployments.protocol import Endpoint, GenerationRequest
 from deployments.request_trace import RequestTrace, TraceHistory
 from deployments.responses import completion_body, stream_chunks
-from deployments.retries import unwrap_error
-from deployments.split_path import SharedPackage, SplitPath, choice_request
+from deployments.retries import choice_request, unwrap_error
+from deployments.split_path import SharedPackage, SplitPath
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """Per-request server-side timings: what ``GET /debug/requests``, the handle's ``trace`` and
-``recent_requests``, and the load generator's ``--server-timings`` report."""
+``recent_requests``, and the load generator's ``--server-timings`` report; where a KV object
+lies (``kv_object_locations``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import collections
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import ray
 
 from app.messages import StreamStart
 
@@ -127,3 +130,9 @@ class TraceHistory:
         if not self.enabled or limit <= 0:
             return []
         return list(self._items)[-limit:]
+
+
+def kv_object_locations(ref: ray.ObjectRef) -> tuple[list[str], int | None]:
+    """The nodes that hold a KV object and its size (diagnostics, never its bytes)."""
+    loc = ray.experimental.get_object_locations([ref])[ref]
+    return list(loc.get("node_ids", [])), loc.get("object_size")

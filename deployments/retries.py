@@ -1,7 +1,8 @@
 """What a lost replica means for a request: the errors that a re-run on another replica can
 fix (``RETRYABLE_ERRORS``, docs/architecture.md's failure policy), the engine error inside
-Ray's wrapper (``unwrap_error``), and the request that resumes a stream after the tokens it
-delivered (``resume_request``). ``deployments.split_path.SplitPath.resumable_stream`` uses them.
+Ray's wrapper (``unwrap_error``), the request that resumes a stream after the tokens it
+delivered (``resume_request``) and the request of one answer of several, which a retry of
+that answer prefills (``choice_request``). ``deployments.split_path.SplitPath`` uses them.
 """
 
 from __future__ import annotations
@@ -51,3 +52,10 @@ def resume_request(preq: PrefillRequest, delivered: list[int], attempt: int) -> 
         dataclasses.replace(preq.sampling, max_tokens=preq.sampling.max_tokens - len(delivered)),
         output_offset=preq.output_offset + len(delivered),
     )
+
+
+def choice_request(preq: PrefillRequest, k: int) -> PrefillRequest:
+    """Answer ``k`` of a request for several (``n``), as a request of its own: what a retry of
+    that answer prefills again (its own id and seed, the same prompt)."""
+    return PrefillRequest(f"{preq.request_id}/{k}", preq.prompt_token_ids,
+                          preq.sampling.for_choice(k), output_offset=preq.output_offset)

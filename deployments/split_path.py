@@ -19,17 +19,11 @@ from app.errors import RequestTimeoutError
 from app.messages import PrefillRequest, StreamStart, TokenEvent
 from app.output import GenerationFailed
 from deployments.kv_budget import KVBudget, Reservation
-from deployments.request_trace import RequestTrace
+from deployments.request_trace import RequestTrace, kv_object_locations
 from deployments.retries import is_retryable, resume_request, unwrap_error
 from deployments.token_feed import FeedHub, fed_tokens
 
 logger = logging.getLogger(__name__)
-
-
-def kv_object_locations(ref: ray.ObjectRef) -> tuple[list[str], int | None]:
-    """The nodes that hold a KV object and its size (diagnostics, never its bytes)."""
-    loc = ray.experimental.get_object_locations([ref])[ref]
-    return list(loc.get("node_ids", [])), loc.get("object_size")
 
 
 # Waiting for a phase to have a live replica again: each ping's limit, and the pause
@@ -44,13 +38,6 @@ async def _answers_ping(handle: Any, timeout_s: float) -> bool:
         return True
     except Exception:
         return False
-
-
-def choice_request(preq: PrefillRequest, k: int) -> PrefillRequest:
-    """Answer ``k`` of a request for several (``n``), as a request of its own: what a retry of
-    that answer prefills again (its own id and seed, the same prompt)."""
-    return PrefillRequest(f"{preq.request_id}/{k}", preq.prompt_token_ids,
-                          preq.sampling.for_choice(k), output_offset=preq.output_offset)
 
 
 @dataclasses.dataclass

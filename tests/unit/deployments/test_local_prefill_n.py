@@ -15,7 +15,7 @@ from app.messages import PrefillRequest, StreamStart
 from app.sampling import SamplingParams
 from deployments.colocated_server import ColocatedServer
 from deployments.decode_server import DecodeServer
-from deployments.split_path import choice_request
+from deployments.retries import choice_request
 
 
 @pytest.fixture

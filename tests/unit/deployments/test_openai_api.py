@@ -482,7 +482,7 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_supplied():
 def test_http_usage_counts_the_first_streams_cached_tokens_once(client, ingress, monkeypatch):
     """Through the ingress: the cached count of the answer's StreamStart reaches ``usage``,
     whole and streamed; with n = 2 the prompt (and its cached part) counts once."""
-    from deployments.split_path import choice_request
+    from deployments.retries import choice_request
     from tests.unit.deployments.test_split_path import FakeCall, FakeHandle, token_stream
 
     def cached_stream(preq):

@@ -20,8 +20,8 @@ from app.output import GenerationFailed
 from app.sampling import SamplingParams
 from deployments.kv_budget import KVBudget
 from deployments.request_trace import RequestTrace
-from deployments.retries import is_retryable
-from deployments.split_path import SplitPath, choice_request
+from deployments.retries import choice_request, is_retryable
+from deployments.split_path import SplitPath
 
 TOKENS = list(range(100, 112))
 
