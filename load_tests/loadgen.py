@@ -235,8 +235,11 @@ async def run_load(plan: LoadPlan, make_spec: SpecMaker, *, progress: bool = Tru
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(plan.request_timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
-        for w in range(warmup):  # not measured: first-request costs (threads, allocations)
-            spec = specs[0][w % len(specs[0])]
+        # not measured: first-request costs (threads, allocations); prompts of their own,
+        # so no measured request finds its prompt in the server's prefix cache
+        rng = random.Random(f"{plan.seed}/warmup")
+        for _ in range(warmup):
+            spec = make_spec(pick_class(plan.streams[0].classes, rng), rng)
             await send_streaming(client, url, spec.body(plan.endpoint, plan.model,
                                                         plan.temperature),
                                  plan.endpoint, spec.request_class, time.perf_counter())

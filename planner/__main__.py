@@ -313,9 +313,8 @@ def _cmd_validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
             ap.error(f"--{kind}-config: {exc}")
     engines = _engine_devices(args)
     devices = _validation_devices(engines, args)
-    cores, cpu_per_token = _shared_cores(args, engines.get("cpu-1t"))
-    comps = validate.validate(devices, results, slos, per_kind, args.policy, cores,
-                              cpu_per_token)
+    cores, stack = _shared_cores(args, engines.get("cpu-1t"))
+    comps = validate.validate(devices, results, slos, per_kind, args.policy, cores, stack)
     print(validate.table(comps))
     if args.json:
         Path(args.json).write_text(json.dumps(comps, indent=1))
@@ -350,21 +349,22 @@ def _validation_devices(engines: dict[str, DeviceProfile],
 
 def _shared_cores(args: argparse.Namespace,
                   engine: DeviceProfile | None) -> tuple[float | None, float]:
-    """The split's machine (``SplitSystem.shared_cores``) and its stack's CPU per streamed
-    token, from ``--stack-split``'s CPU figures and ``engine`` (its replicas' engine alone);
-    (None, 0) with ``--own-cores`` or a stack file without them."""
-    from planner.profile import stack_cpu_per_token
+    """The split's machine (``SplitSystem.shared_cores``) and the cores its stack keeps busy
+    while tokens stream (``stack_cores``), from ``--stack-split``'s CPU figures and
+    ``engine`` (its replicas' engine alone); (None, 0) with ``--own-cores`` or a stack file
+    without them."""
+    from planner.profile import stack_cores
 
     if args.own_cores or not args.stack_split or engine is None:
         return None, 0.0
     stack = json.loads(Path(args.stack_split).read_text())
-    per_token = stack_cpu_per_token(engine, stack)
-    if per_token is None or not stack.get("cores"):
+    busy = stack_cores(engine, stack)
+    if busy is None or not stack.get("cores"):
         print(f"{args.stack_split} has no CPU figures: the split's phases get a core each")
         return None, 0.0
     print(f"split: its phases and the serving stack share {stack['cores']} cores; the stack "
-          f"takes {per_token * 1000:.1f} ms of CPU per streamed token")
-    return float(stack["cores"]), per_token
+          f"keeps {busy:.2f} of them busy while tokens stream")
+    return float(stack["cores"]), busy
 
 
 def _with_stack(device: DeviceProfile, name: str, path: str, hop: bool) -> DeviceProfile:

@@ -251,11 +251,11 @@ class DeviceProfile:
         alike lengths, as ``profile`` measures the engine's step)."""
         return self.decode(batch, batch * span) + self.decode_stack(batch, 0.0)
 
-    def decode_ctx_s(self, batch: int, context_tokens: int) -> float:
+    def decode_ctx_s(self, batch: int, context_tokens: int, share: float = 1.0) -> float:
         """A step whose attention works over ``context_tokens`` KV positions in all (the
         simulator's ``attended_positions``: ``batch x longest`` padded, the rows' own
-        contexts exact)."""
-        return self.decode(batch, context_tokens) + self.decode_stack(batch, 0.0)
+        contexts exact), the engine on ``share`` of its device (the cores shared)."""
+        return self.decode(batch, context_tokens) / share + self.decode_stack(batch, 0.0)
 
     def hop_s(self, nbytes: int) -> float:
         return self.hop_latency_s + nbytes / (self.hop_gbs * 1e9)

@@ -14,3 +14,7 @@ KV_LAYOUTS = ("paged", "inplace", "padded")
 # How a colocated replica shares its engine between prompts and decode steps: this app
 # (mixed_batch on, off), then the vLLM-style approximation (the module docstring).
 COLOCATED_POLICIES = ("mixed", "interleave", "chunked")
+# A prefill replica's extra lane runs at nice ``app.engine_core.LANE_NICE`` (19) beside threads
+# at Ray's worker niceness (15); Linux's scheduler weighs a thread 1.25x less per nice level,
+# so where they compete for a core the lane gets this much of a normal thread's share.
+LANE_WEIGHT = 1.25 ** -(19 - 15)

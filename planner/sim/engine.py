@@ -219,6 +219,26 @@ class _PrefillQueue:
         return finished
 
 
+def weighted_share(cores: float, weights: Sequence[float],
+                   caps: Sequence[float] | None = None) -> float:
+    """The share of ``cores`` the first of several CPU consumers gets where the OS shares
+    the cores in proportion to their ``weights``, none getting more than its cap (``caps``;
+    default one core: a thread) and what one cannot use going to the others."""
+    caps = [1.0] * len(weights) if caps is None else caps
+    assert weights and len(caps) == len(weights) and all(w > 0 for w in weights)
+    left, rest = cores, set(range(len(weights)))
+    while True:
+        total = sum(weights[k] for k in rest)
+        capped = [k for k in rest if left * weights[k] / total >= caps[k]]
+        if not capped:
+            return left * weights[0] / total
+        if 0 in capped:
+            return caps[0]
+        for k in capped:
+            left -= caps[k]
+            rest.discard(k)
+
+
 class _Decoder:
     """One decode batch (``app.decode.Decoder``) on a device."""
 
@@ -265,16 +285,19 @@ class _Decoder:
         holds its context plus the token the step writes."""
         return attended_positions([s.kv_len + 1 for s in self.running], self.limits.kv_layout)
 
-    def step_cost(self) -> float:
-        return self.device.decode_ctx_s(len(self.running), self.attended())
+    def step_cost(self, share: float = 1.0) -> float:
+        """A step's time, its engine on ``share`` of a core (the serving stack's part as
+        measured)."""
+        return self.device.decode_ctx_s(len(self.running), self.attended(), share)
 
-    def start_step(self, busy: _Busy, then: Callable[[], None]) -> bool:
-        """Admit the waiting sequences and run one step, charged to ``busy``; ``then`` runs
-        when it ends. False (and nothing scheduled) when no sequence is running."""
+    def start_step(self, busy: _Busy, then: Callable[[], None], share: float = 1.0) -> bool:
+        """Admit the waiting sequences and run one step (its engine on ``share`` of a core),
+        charged to ``busy``; ``then`` runs when it ends. False (and nothing scheduled) when
+        no sequence is running."""
         self.admit()
         if not self.running:
             return False
-        cost = self.step_cost()
+        cost = self.step_cost(share)
         busy.decode_s += cost
         self.clock.at(self.clock.now + cost, lambda: (self.end_step(), then()))
         return True

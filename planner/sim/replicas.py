@@ -34,6 +34,10 @@ class _Engines:
         self.planned: list[_Chunks | None] = [None] * n
         self.planned_joins = [0] * n  # the sequences the loop held then (it admits those)
         self.on_prefilled: Callable[[_Req], None] = lambda r: None  # a prompt's package is made
+        # the part of its device replica ``i``'s engine gets for a pass starting now (the
+        # split's decode replicas on cores shared with prefill: ``_SplitRun.decode_share``)
+        self.share: Callable[[int], float] = lambda i: 1.0
+        self.on_sleep: Callable[[], None] = lambda: None  # an engine went idle
 
     def load(self, k: int) -> int:
         """Replica ``k``'s streams and prompts (what Serve's router counts on it)."""
@@ -77,6 +81,11 @@ class _Engines:
         else:
             self.next_pass(j)
 
+    def _sleep(self, i: int) -> None:
+        """Replica ``i``'s engine has nothing to run."""
+        self.active[i] = False
+        self.on_sleep()
+
     def _wake(self, i: int) -> None:
         if not self.active[i]:
             self.active[i] = True
@@ -90,8 +99,9 @@ class _Engines:
         if self.policy == "chunked":
             if self.mixed_queues[i]:
                 self._chunked_pass(i)
-            elif not self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i)):
-                self.active[i] = False
+            elif not self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i),
+                                                 self.share(i)):
+                self._sleep(i)
             return
         # interleave: the engine thread runs what was submitted first; while both loops
         # have work, a prefill pass and a decode step take turns
@@ -99,12 +109,13 @@ class _Engines:
         prefill_ready = len(q) > 0 and self.clock.now >= self.ready_at[i]
         if prefill_ready and not self.last_was_prefill[i]:
             self._prefill_pass(i)
-        elif self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i)):
+        elif self.decoders[i].start_step(self.busy[i], lambda: self.next_pass(i),
+                                             self.share(i)):
             self.last_was_prefill[i] = False
         elif prefill_ready:
             self._prefill_pass(i)
         else:
-            self.active[i] = False  # a prompt still in its wake-up wait restarts it
+            self._sleep(i)  # a prompt still in its wake-up wait restarts it
 
     def _prefilled(self, i: int, r: _Req) -> None:
         """A prompt's prefill ended on replica ``i``: its answer decodes there (``n = 1``) or
@@ -161,7 +172,7 @@ class _Engines:
         elif len(q) and self.clock.now >= self.ready_at[i]:
             self._own_pass(i)
         else:
-            self.active[i] = False  # a prompt still in its wake-up wait restarts it
+            self._sleep(i)  # a prompt still in its wake-up wait restarts it
             if not len(q):
                 q.idle = True  # the queue's task sleeps until a prompt comes
 
@@ -183,10 +194,11 @@ class _Engines:
         dec.admit(self.planned_joins[i])
         if plan.rows:
             cost = self._mixed_pass_s(dec, [(n, r.done) for r, n in zip(plan.rows, plan.sizes,
-                                                                       strict=True)])
+                                                                       strict=True)],
+                                      self.share(i))
             self.busy[i].prefill_s += cost
         else:
-            cost = dec.step_cost()
+            cost = dec.step_cost(self.share(i))
             self.busy[i].decode_s += cost
         self.clock.at(self.clock.now + cost, lambda: self._after_mixed_step(i, plan))
 
@@ -223,11 +235,13 @@ class _Engines:
             return
         self.next_pass(i)
 
-    def _mixed_pass_s(self, dec: _Decoder, chunks: Sequence[tuple[int, int]]) -> float:
+    def _mixed_pass_s(self, dec: _Decoder, chunks: Sequence[tuple[int, int]],
+                      share: float = 1.0) -> float:
         """One pass of prompt chunks (``(tokens, past)`` each, laid end to end, each
         attending to its own past) plus a step of ``dec``'s running sequences: the linear
         layers run once over every token, so compute and memory terms add up, the weights
-        read once; a step that streams tokens pays the serving stack's per-step cost."""
+        read once; a step that streams tokens pays the serving stack's per-step cost. The
+        engine runs on ``share`` of its device."""
         dev = self.device
         tokens = sum(n for n, _ in chunks)
         pairs = sum(n * (n + 2 * past) for n, past in chunks)
@@ -240,7 +254,8 @@ class _Engines:
             stack = dev.decode_stack(b, 0.0)
         else:
             d_compute, d_memory, stack = 0.0, dev.prefill.memory.c0, 0.0
-        return dev.decode.overhead_s + max(p_compute + d_compute, p_memory + d_memory) + stack
+        engine = dev.decode.overhead_s + max(p_compute + d_compute, p_memory + d_memory)
+        return engine / share + stack
 
     # -- chunked (vLLM/Sarathi-style) ---------------------------------------------------------
 

@@ -4,13 +4,29 @@ prompts."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from collections.abc import Callable, Collection, Iterable
 
 from planner.hardware import DeviceProfile
-from planner.sim.engine import _answers, _Busy, _Clock, _PrefillQueue, _Req, _Seq
+from planner.sim.constants import LANE_WEIGHT
+from planner.sim.engine import (_answers, _Busy, _Clock, _PrefillQueue, _Req, _Seq,
+                                weighted_share)
 from planner.sim.replicas import _Engines
 from planner.sim.systems import SplitSystem
 from planner.sim.workload import Arrival
+
+
+@dataclass(eq=False, slots=True)
+class _Pass:
+    """A prefill pass under way on shared cores: its prompts, its work left (seconds on a
+    core of its own), since when at what share of a core, and which of its end events
+    stands (``gen``)."""
+
+    rows: list[_Req]
+    work: float
+    since: float
+    share: float = 1.0
+    gen: int = 0
 
 
 class _SplitRun:
@@ -29,8 +45,14 @@ class _SplitRun:
         self.decode = _Engines(sysm.decode, sysm.num_decode, sysm.limits, sysm.decode_policy,
                                clock, finish)
         self.decode.on_prefilled = self._stream_starts
+        self.decode.share = self.decode_share
+        self.decode.on_sleep = self._decode_changed
         self.homes = random.Random(0)  # each prompt's rendezvous-hash home replica
         self.busy_tokens = sysm.limits.busy_prefill_tokens
+        # on shared_cores: the passes under way, by (replica, lane), and the decode side as
+        # their shares last saw it (``_reshare``)
+        self.running: dict[tuple[int, int], _Pass] = {}
+        self.shared_key: tuple[bool, ...] = ()
         # SplitPath's counts: prompt tokens whose streams have not started, sent to the
         # prefill phase, of those the short ones, and sent to a decode replica
         self.prefill_backlog = self.short_backlog = self.local_backlog = 0
@@ -117,6 +139,7 @@ class _SplitRun:
     def prefill_start(self, i: int) -> None:
         """Passes on replica ``i``'s free lanes, while prompts in no pass wait."""
         q = self.prefills[i]
+        started = False
         while self.passes(i) < self.limits.prefill_lanes:
             lane = self.lane_busy[i].index(False)
             busy: Collection[_Req] = self.in_pass[i]
@@ -125,33 +148,86 @@ class _SplitRun:
             rows = q.plan(self.clock.now, busy)
             if not rows:
                 break
-            cost = q.pass_s(rows) / self._prefill_share(i)
+            work = q.pass_s(rows)  # on a core of its own
             self.lane_busy[i][lane] = True
             self.in_pass[i].update(rows)
-            self.prefill_busy[i].prefill_s += cost
-            self.clock.at(self.clock.now + cost,
-                          lambda rows=rows, lane=lane: self.prefill_end(i, rows, lane))
+            if self.sysm.shared_cores is None:
+                # its share of its device (split with the replica's other passes), fixed
+                cost = work * self.passes(i)
+                self.prefill_busy[i].prefill_s += cost
+                self.clock.at(self.clock.now + cost,
+                              lambda rows=rows, lane=lane: self.prefill_end(i, rows, lane))
+            else:
+                self.running[(i, lane)] = _Pass(rows, work, self.clock.now)
+                started = True
+        if started:
+            self._reshare()
         if not self.passes(i):
             q.idle = True
 
-    def _prefill_share(self, i: int) -> float:
-        """The part of a core a prefill pass starting now runs on (``shared_cores``): the
-        cores less what the stack takes streaming the running sequences' tokens (each
-        decode replica's rows over its step), shared equally with the busy decode replicas
-        and the other passes under way (other replicas', this one's other lanes), at most
-        one core; on hardware of one's own 1.0, or that split equally between the replica's
-        passes under way (its lanes share its device). Fixed for the pass."""
-        cores = self.sysm.shared_cores
-        if cores is None:
-            return 1.0 / (1 + self.passes(i))
-        busy = 1 + sum(self.passes(j) for j in range(len(self.lane_busy)))
-        tokens_per_s = 0.0
-        for j, dec in enumerate(self.decode.decoders):
-            busy += self.decode.active[j]
-            if dec.running:
-                tokens_per_s += len(dec.running) / dec.step_cost()
-        left = max(cores - self.sysm.stack_cpu_per_token_s * tokens_per_s, 0.1 * cores)
-        return min(1.0, left / busy)
+    def _reshare(self) -> None:
+        """On ``shared_cores``: each pass under way runs on its share of them beside what
+        else runs now (``_shares``); called whenever that changes (a pass starts or ends, a
+        decode replica starts or stops stepping), each pass's end moving with its share."""
+        now = self.clock.now
+        self.shared_key = self._decode_key()
+        for (i, lane), p in self.running.items():
+            p.work -= p.share * (now - p.since)
+            self.prefill_busy[i].prefill_s += now - p.since
+            p.since, p.gen = now, p.gen + 1
+            p.share = self._shares(LANE_WEIGHT if lane > 0 else 1.0, exclude_pass=(i, lane))
+            self.clock.at(now + max(p.work, 0.0) / p.share,
+                          lambda i=i, lane=lane, p=p, gen=p.gen: self._pass_done(i, lane, p, gen))
+
+    def _pass_done(self, i: int, lane: int, p: _Pass, gen: int) -> None:
+        if gen != p.gen:
+            return  # its share changed since: a later event ends it
+        self.prefill_busy[i].prefill_s += self.clock.now - p.since
+        del self.running[(i, lane)]
+        self.prefill_end(i, p.rows, lane)
+        self._reshare()
+
+    def _decode_key(self) -> tuple[bool, ...]:
+        """What of the decode side a pass's share depends on: which replicas step, and
+        whether any tokens stream."""
+        dec = self.decode
+        return (*dec.active, any(d.running for d in dec.decoders))
+
+    def _decode_changed(self) -> None:
+        if self.running and self._decode_key() != self.shared_key:
+            self._reshare()
+
+    def decode_share(self, j: int) -> float:
+        """The part of a core decode replica ``j``'s engine gets for a step starting now
+        (fixed for the step); the passes under way are reshared when the decode side
+        changed since they last were."""
+        if self.sysm.shared_cores is None:
+            return 1.0
+        self._decode_changed()
+        return self._shares(1.0, exclude_decode=j)
+
+    def _shares(self, weight: float, exclude_decode: int | None = None,
+                exclude_pass: tuple[int, int] | None = None) -> float:
+        """The share of ``shared_cores`` a thread of ``weight`` starting now gets beside what
+        already runs: each busy decode replica's engine (weight 1), each pass under way (1
+        on a replica's first lane; ``LANE_WEIGHT`` on an extra lane, which runs at the
+        lowest priority) and the serving stack while tokens stream (``stack_cores`` of CPU at
+        most, weight 1). Linux shares the cores in proportion to the weights
+        (``weighted_share``)."""
+        weights, caps = [weight], [1.0]
+        for i, lanes in enumerate(self.lane_busy):
+            for k, busy in enumerate(lanes):
+                if busy and (i, k) != exclude_pass:
+                    weights.append(1.0 if k == 0 else LANE_WEIGHT)
+                    caps.append(1.0)
+        for j in range(len(self.decode.decoders)):
+            if self.decode.active[j] and j != exclude_decode:
+                weights.append(1.0)
+                caps.append(1.0)
+        if self.sysm.stack_cores > 0 and any(d.running for d in self.decode.decoders):
+            weights.append(1.0)
+            caps.append(self.sysm.stack_cores)
+        return weighted_share(self.sysm.shared_cores, weights, caps)
 
     def prefill_end(self, i: int, rows: list[_Req], lane: int = 0) -> None:
         """Each prompt this pass finished leaves; each answer hops to decode on its own."""

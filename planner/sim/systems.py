@@ -38,7 +38,7 @@ class EngineLimits:
     prefill_busy_tokens: int | None = None
     # prefill_lanes: a prefill replica runs up to this many passes at once, the extra lanes
     # long prompts only (on hardware of its own they share its device:
-    # ``_SplitRun._prefill_share``)
+    # ``_SplitRun._shares``)
     prefill_lanes: int = 1
 
     def __post_init__(self) -> None:
@@ -105,12 +105,12 @@ class SplitSystem:
     # "mixed" (``engine.mixed_batch``, the default) | "interleave" (``mixed_batch: false``)
     decode_policy: str = "mixed"
     # every replica and the serving stack on one machine of this many cores (local.yaml: a
-    # thread per phase), the stack taking ``stack_cpu_per_token_s`` of CPU per streamed
-    # token: a prefill pass gets an equal share of the cores the stack leaves, with the
-    # decode replicas that are busy when it starts, at most one core (``_SplitRun.
-    # _prefill_share``). None: each replica on hardware of its own (a fleet)
+    # thread per phase), the stack keeping ``stack_cores`` of them busy while tokens
+    # stream: a prefill pass and a decode step each get their share of the cores beside
+    # what else runs when they start (``_SplitRun._shares``). None: each replica on
+    # hardware of its own (a fleet)
     shared_cores: float | None = None
-    stack_cpu_per_token_s: float = 0.0
+    stack_cores: float = 0.0
 
     def __post_init__(self) -> None:
         if self.decode_policy not in ("mixed", "interleave"):
@@ -118,8 +118,8 @@ class SplitSystem:
                              "mixed, interleave")
         if self.shared_cores is not None and self.shared_cores <= 0:
             raise ValueError("shared_cores must be > 0")
-        if self.stack_cpu_per_token_s < 0:
-            raise ValueError("stack_cpu_per_token_s must be >= 0")
+        if self.stack_cores < 0:
+            raise ValueError("stack_cores must be >= 0")
 
     @property
     def price_per_hour(self) -> float:

@@ -189,3 +189,29 @@ def test_each_run_of_a_rate_sweep_sends_prompts_of_its_own():
     runs = [drawn(sweep_seed(5, k)) for k in range(3)]
     assert runs[0] == drawn(5)
     assert runs[0] != runs[1] and runs[1] != runs[2] and runs[0] != runs[2]
+
+
+async def test_warmup_requests_send_prompts_of_their_own():
+    """``--warmup``: unmeasured requests first, whose prompts are none of the measured ones
+    (the measured requests' first prompts found in the server's prefix cache would make
+    their TTFT a cache hit's: the planner's validation runs once measured 80 ms for a
+    256-token prompt that takes 320 ms)."""
+    log: list = []
+    a = RequestClass("a", LengthDist.parse("uniform:8:64"), LengthDist.fixed(2))
+
+    def maker(cls: RequestClass, rng: random.Random) -> RequestSpec:
+        n = cls.input_len.sample(rng)
+        return RequestSpec(cls.name, cls.output_len.sample(rng), cls.ignore_eos,
+                           prompt=[rng.randrange(1000) for _ in range(n)], input_tokens=n)
+
+    plan = _plan([Stream("s", [a], num_requests=4, concurrency=1)])
+    res = await run_load(plan, maker, progress=False, warmup=2,
+                         transport=fake_server(first_delay=0.001, gap=0.001, log=log))
+    assert len(res.records) == 4 and len(log) == 6
+    warm, measured = [b["prompt"] for _, b in log[:2]], [b["prompt"] for _, b in log[2:]]
+    assert not any(w == m for w in warm for m in measured)
+    # the measured prompts are still the plan's (the same with or without a warm-up)
+    log2: list = []
+    await run_load(plan, maker, progress=False,
+                   transport=fake_server(first_delay=0.001, gap=0.001, log=log2))
+    assert [b["prompt"] for _, b in log2] == measured

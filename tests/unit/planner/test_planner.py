@@ -576,26 +576,43 @@ def test_stack_fit_adds_per_step_streaming_cost_and_request_overhead():
     assert rec.tpot_s > dev.decode_s(1, 70) + 0.007
 
 
-def test_stack_cpu_per_token_is_the_machines_busy_time_less_the_engines():
+def test_stack_cores_are_the_machines_busy_time_less_the_engines():
     """``measure_stack``'s decode runs record the machine's CPU time; what the engines' own
     passes (each request's prefill, its tokens' steps at the run's batch) do not account
-    for is the stack's, per streamed token; the median over the runs."""
-    from planner.profile import stack_cpu_per_token
+    for is the stack's, over the run's wall time: the cores it keeps busy while tokens
+    stream; the median over the runs."""
+    from planner.profile import stack_cores
 
     dev = device(prefill_base=0.01, prefill_per_token=0.001, step=0.02)
 
-    def point(b, tokens, requests, per_token):
+    def point(b, tokens, requests, cores):
         engines = tokens / b * 0.02 + requests * (0.01 + 0.064)
         return {"batch": b, "span": 88, "tpot_s": 0.03, "wall_s": 5.0, "requests": requests,
-                "input_len": 64, "output_tokens": tokens,
-                "cpu_busy_s": engines + tokens * per_token}
+                "input_len": 64, "output_tokens": tokens, "cpu_busy_s": engines + 5.0 * cores}
 
-    stack = {"cores": 2, "decode": [point(1, 100, 3, 0.004), point(2, 200, 5, 0.006),
-                                    point(4, 400, 9, 0.005), {"batch": 8, "span": 88,
-                                                              "tpot_s": 0.05}]}
-    assert stack_cpu_per_token(dev, stack) == pytest.approx(0.005)
-    assert stack_cpu_per_token(dev, {"decode": [{"batch": 1, "span": 88, "tpot_s": 0.03}]}) \
-        is None
+    stack = {"cores": 2, "decode": [point(1, 100, 3, 0.6), point(2, 200, 5, 0.8),
+                                    point(4, 400, 9, 0.7), {"batch": 8, "span": 88,
+                                                            "tpot_s": 0.05}]}
+    assert stack_cores(dev, stack) == pytest.approx(0.7)
+    assert stack_cores(dev, {"decode": [{"batch": 1, "span": 88, "tpot_s": 0.03}]}) is None
+
+
+def test_weighted_share_is_linux_sharing_cores_by_weight():
+    """``weighted_share``: the first consumer's share of the cores, in proportion to the
+    weights, no thread above one core and no consumer above its cap, what one cannot use
+    going to the others."""
+    from planner.sim.engine import weighted_share
+
+    assert weighted_share(2.0, [1.0]) == 1.0
+    assert weighted_share(2.0, [1.0, 1.0]) == 1.0
+    assert weighted_share(2.0, [1.0, 1.0, 1.0]) == pytest.approx(2 / 3)
+    # a low-priority thread beside two others: 2 x 0.41 / 2.41 of the cores
+    assert weighted_share(2.0, [0.41, 1.0, 1.0]) == pytest.approx(0.82 / 2.41)
+    assert weighted_share(2.0, [1.0, 1.0, 0.41]) == pytest.approx(2 / 2.41)
+    # a consumer capped below its proportional share leaves the rest to the others
+    assert weighted_share(2.0, [1.0, 1.0, 1.0], [1.0, 1.0, 0.2]) == pytest.approx(0.9)
+    assert weighted_share(2.0, [1.0, 1.0], [0.5, 1.0]) == 0.5
+    assert weighted_share(1.0, [1.0, 3.0]) == pytest.approx(0.25)
 
 
 def test_prefill_lanes_run_two_prompts_side_by_side_on_the_cores_they_share():
@@ -632,28 +649,59 @@ def test_prefill_lanes_run_two_prompts_side_by_side_on_the_cores_they_share():
 
 
 def test_shared_cores_slow_a_prefill_pass_by_its_share_of_the_cores():
-    """``SplitSystem.shared_cores``: a prompt that arrives while a stream decodes gets its
-    pass on the cores the stack leaves (2 - 0.01 s x 50 tokens/s = 1.5), shared with the
-    busy decode replica: 0.75 of a core, so 1/0.75 of its own-core time. The first prompt,
-    alone on the machine, runs at full speed; without a stack two cores give both a core."""
+    """``SplitSystem.shared_cores``: a prompt that arrives while a stream decodes runs its
+    pass beside the decode replica's engine and the stack (1.5 cores while tokens stream):
+    Linux gives the three 2/3 of a core each, so the pass takes 1.5x its own-core time.
+    The first prompt, alone on the machine, runs at full speed; without a stack two cores
+    give both phases a core. A pass's share follows what runs: the stream ends mid-pass
+    and the rest of the pass runs on a whole core."""
     dev = device(prefill_base=0.0, prefill_per_token=0.001, step=0.02)
     lim = EngineLimits(batch_wait_s=0.0, local_prefill_when_busy=0)
     arrivals = [Arrival(0.0, 100, 1000), Arrival(1.0, 500, 2)]
 
-    def ttfts(**kw):
-        recs = simulate(SplitSystem(dev, dev, 1, 1, lim, **kw), arrivals).records
-        return [r.ttft_s for r in recs]
+    def ttfts(arr=arrivals, **kw):
+        recs = simulate(SplitSystem(dev, dev, 1, 1, lim, **kw), arr).records
+        return [r.ttft_s for r in sorted(recs, key=lambda r: r.sent_at)]
 
     own = ttfts()
     assert own == pytest.approx([0.1, 0.5], abs=1e-3)
-    shared = ttfts(shared_cores=2.0, stack_cpu_per_token_s=0.01)
+    shared = ttfts(shared_cores=2.0, stack_cores=1.5)
     assert shared[0] == pytest.approx(own[0], abs=1e-6)
-    assert shared[1] == pytest.approx(0.5 / 0.75, abs=2e-3)
+    assert shared[1] == pytest.approx(0.5 * 1.5, abs=2e-3)
     assert ttfts(shared_cores=2.0) == pytest.approx(own, abs=1e-6)
     # one core for both phases: the pass gets half of it even with no stack
     assert ttfts(shared_cores=1.0)[1] == pytest.approx(1.0, abs=2e-3)
+    # a stream of 10 tokens: its first at 0.1 s, then 9 steps of 20 ms, those that start
+    # while the pass runs on 2/3 of a core (30 ms): steps start at 0.10, 0.12, 0.14, then
+    # 0.16 ... 0.31, the last ending at 0.34 s. The second prompt arrives at 0.15 s: 0.19 s
+    # on 2/3 of a core (0.127 s of its work), then the rest on a core of its own
+    short = [Arrival(0.0, 100, 10), Arrival(0.15, 500, 2)]
+    got = ttfts(short, shared_cores=2.0, stack_cores=1.5)
+    assert got[1] == pytest.approx(0.19 + (0.5 - 0.19 * 2 / 3), abs=2e-3)
     with pytest.raises(ValueError, match="shared_cores"):
         SplitSystem(dev, dev, shared_cores=0.0)
+
+
+def test_shared_cores_slow_a_decode_step_beside_prefill_passes():
+    """On ``shared_cores`` a decode step runs on its share of them beside the passes under
+    way: two cores, two lanes each with a long prompt and no stack: the step's engine gets
+    2 / (1 + 1 + LANE_WEIGHT) of a core (an extra lane runs at the lowest priority), and a
+    whole core once the passes are done."""
+    from planner.sim.constants import LANE_WEIGHT
+
+    dev = device(prefill_base=0.0, prefill_per_token=0.001, step=0.02)
+    lim = EngineLimits(batch_wait_s=0.0, local_prefill_when_busy=0, prefill_lanes=2)
+    # a stream of 11 tokens, then two 1,000-token prompts while it decodes
+    arrivals = [Arrival(0.0, 10, 11), Arrival(0.05, 1000, 2), Arrival(0.05, 1000, 2)]
+    recs = sorted(simulate(SplitSystem(dev, dev, 1, 1, lim, shared_cores=2.0),
+                           arrivals).records, key=lambda r: r.sent_at)
+    share = 2 / (2 + LANE_WEIGHT)
+    # first token at 0.01 s; steps at 20 ms until the passes start at 0.05 s (steps end at
+    # 0.03 and 0.05), then 8 steps at 20 ms / share
+    assert recs[0].e2e_s == pytest.approx(0.05 + 8 * 0.02 / share, abs=2e-3)
+    alone = sorted(simulate(SplitSystem(dev, dev, 1, 1, lim, shared_cores=2.0),
+                            arrivals[:1]).records, key=lambda r: r.sent_at)
+    assert alone[0].e2e_s == pytest.approx(0.01 + 10 * 0.02, abs=2e-3)
 
 
 # ---- chunked prefill, prefix cache, several answers (issue 14) ----------------------------
