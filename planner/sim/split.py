@@ -4,13 +4,12 @@ prompts."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 
 from planner.hardware import DeviceProfile
 from planner.sim.constants import LANE_WEIGHT
-from planner.sim.engine import (_answers, _Busy, _Clock, _PrefillQueue, _Req, _Seq,
-                                weighted_share)
+from planner.sim.engine import _answers, _Busy, _Clock, _PrefillQueue, _Req, _Seq, weighted_share
 from planner.sim.replicas import _Engines
 from planner.sim.systems import SplitSystem
 from planner.sim.workload import Arrival
