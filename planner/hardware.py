@@ -228,6 +228,9 @@ class DeviceProfile:
     # ``c0 + c1 x batch`` seconds (Ray streaming items, detokenizing, SSE, the cores they
     # take from the engine). Zero for a bare engine profile; ``profile.stack_device`` fits it.
     decode_stack: Linear = field(default_factory=Linear)
+    # how much slower than the engine alone ``prefill`` is (``slowed_prefill``: the serving
+    # stack's effect on a lone prompt's pass, fitted by ``profile.stack_device``)
+    prefill_slowdown: float = 1.0
     price_per_hour: float = 1.0
     power_prefill_w: float = 0.0  # busy in a prefill pass
     power_decode_w: float = 0.0  # busy in a decode step
@@ -280,7 +283,8 @@ class DeviceProfile:
 
     def slowed_prefill(self, factor: float) -> DeviceProfile:
         """Prefill passes ``factor`` times slower, decode steps unchanged."""
-        return replace(self, prefill=_scaled(self.prefill, factor))
+        return replace(self, prefill=_scaled(self.prefill, factor),
+                       prefill_slowdown=self.prefill_slowdown * factor)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@ service times and queueing, goodput counting, fitting, and the search's choice."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -270,6 +271,30 @@ def test_colocated_prefill_stalls_running_streams_split_does_not():
     tpot_colo = next(r.tpot_s for r in colo if r.output_tokens == 51)
     assert tpot_split == pytest.approx(0.02)
     assert tpot_colo == pytest.approx(0.02 + 1.0 / 50, rel=0.01)
+
+
+def test_prefill_slowdown_charges_a_lone_prompt_not_a_chunk_riding_a_step():
+    """``DeviceProfile.prefill_slowdown`` (``stack_device``'s fit on lone prompts' TTFTs):
+    a prompt alone on the colocated engine runs its pass that much slower; one whose
+    chunks ride a stream's decode steps is charged the engine's own time plus the stack's
+    per-step cost, whatever the lone-prompt factor."""
+    base = dataclasses.replace(device(prefill_base=0.0, prefill_per_token=0.001),
+                               decode_stack=Linear(0.005, 0.0, 0.0))
+    lone = [Arrival(0.0, 200, 1)]
+    mid = [Arrival(0.0, 10, 60), Arrival(0.3, 200, 1)]
+
+    def ttfts(dev, arrivals):
+        recs = simulate(ColocatedSystem(dev, 1, NO_WAIT), arrivals).records
+        return [r.ttft_s for r in sorted(recs, key=lambda r: r.sent_at)]
+
+    slowed = base.slowed_prefill(2.0)
+    assert slowed.prefill_slowdown == 2.0
+    assert ttfts(slowed, lone)[0] == pytest.approx(2 * ttfts(base, lone)[0])
+    # the same but for the stream's steps falling 10 ms later (its own 10-token prompt ran
+    # alone, slowed): a slowed chunk would add its 0.2 s
+    assert ttfts(slowed, mid)[1] == pytest.approx(ttfts(base, mid)[1], abs=0.0101)
+    # the chunk's step: 200 prompt tokens and the stream's row, plus the stack's 5 ms
+    assert ttfts(base, mid)[1] < 0.2 + 0.02 + 0.005 + 0.025 + 1e-6
 
 
 def test_chunked_colocated_bounds_the_stall():
