@@ -9,12 +9,15 @@ Prints, per variant, the median (min-max) over interleaved rounds of:
   the KV of the ones before, to its package (how the split's prefill replica chunks it);
 * ``mixed_ms``: one mixed pass (``forward_mixed``): 8 decode rows at 64-token contexts and a
   248-token prompt chunk, the colocated app's pass while streams run;
+* ``mixed_long_ms``: the same with 4 decode rows at 1,024-token contexts and a 252-token
+  chunk (the colocated app under W-long: long prompts' streams beside the next one's chunk);
 
 and, for a variant ``X`` run beside ``X+modules`` (the same engine with ``kernels.fused_layers:
 false``: the model's modules around the same kernels) or ``X+fp32attn`` (prefill attention
-with float32 products where X takes bf16 ones: ``app.prefill_attention``), the ratio of X
-to it per round. Variants: ``dtype[+modules][+fp32attn]`` with dtype float32, bfloat16
-(bf16 panels) or auto.
+with float32 products where X takes bf16 ones: ``app.prefill_attention``) or ``X+gather``
+(a mixed pass's decode rows over a gathered copy of their blocks where X reads the pool in
+place: ``app.attention.MixedCacheView``), the ratio of X to it per round. Variants:
+``dtype[+modules][+fp32attn][+gather]`` with dtype float32, bfloat16 (bf16 panels) or auto.
 
     python -m load_tests.pass_bench [--threads 2] [--rounds 5]
         [--variants bfloat16,bfloat16+fp32attn,bfloat16+modules,float32,float32+modules]
@@ -39,14 +42,16 @@ from app.messages import PrefillRequest
 from app.sampling import SamplingParams
 
 PROMPT, CHUNK, ROWS, CONTEXT = 1024, 256, 8, 64
+LONG_ROWS, LONG_CONTEXT = 4, 1024
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-FIGURES = ("whole1024_ms", "chunked1024_ms", "mixed_ms")
+FIGURES = ("whole1024_ms", "chunked1024_ms", "mixed_ms", "mixed_long_ms")
+FLAGS = ("modules", "fp32attn", "gather")
 
 
 class Variant:
     def __init__(self, name: str, threads: int) -> None:
         dtype, *flags = name.split("+")
-        unknown = set(flags) - {"modules", "fp32attn"}
+        unknown = set(flags) - set(FLAGS)
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
         self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype, num_threads=threads,
@@ -55,18 +60,27 @@ class Variant:
         self.runner = self.core.runner
         self.prefiller = self.core.make_prefiller()
         self.rounds = 0
-        if "fp32attn" in flags:  # a benchmark's switch, not a setting: bf16 attention's cost
+        # benchmark switches, not settings: what bf16 attention and in-place reads save
+        if "fp32attn" in flags:
             self.runner.prefill_bf16 = False
+        if "gather" in flags:
+            self.runner.inplace_attention = False
         rng = random.Random(1)
         self.prompt = [rng.randrange(100, 20000) for _ in range(PROMPT)]
-        self.cache = self.runner.make_kv_cache(ROWS * (CONTEXT // 16 + 2), 16)
-        self.tables = [list(range(i * (CONTEXT // 16 + 2), (i + 1) * (CONTEXT // 16 + 2)))
-                       for i in range(ROWS)]
-        _, kvs = self.runner.forward_prefill([self.prompt[i * 8 : i * 8 + CONTEXT]
-                                              for i in range(ROWS)])
-        for table, kv in zip(self.tables, kvs, strict=True):
-            self.cache.write(table, kv)
+        self.cache, self.tables = self._rows(ROWS, CONTEXT)
+        self.long_cache, self.long_tables = self._rows(LONG_ROWS, LONG_CONTEXT)
         self.rows: dict[str, list[float]] = {f: [] for f in FIGURES}
+
+    def _rows(self, rows: int, context: int):
+        """A pool holding ``rows`` sequences of ``context`` tokens, and their block tables."""
+        per = context // 16 + 2
+        cache = self.runner.make_kv_cache(rows * per, 16)
+        tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
+        _, kvs = self.runner.forward_prefill([self.prompt[i * 8 : i * 8 + context]
+                                              for i in range(rows)])
+        for table, kv in zip(tables, kvs, strict=True):
+            cache.write(table, kv)
+        return cache, tables
 
     def _chunked(self) -> None:
         self.rounds += 1  # a new request id each time; no prefix cache (prefix_cache_mb 0)
@@ -78,9 +92,14 @@ class Variant:
         self.runner.forward_mixed(self.cache, self.tables, [5] * ROWS, [CONTEXT] * ROWS,
                                   [self.prompt[: CHUNK - ROWS]])
 
+    def _mixed_long(self) -> None:
+        self.runner.forward_mixed(self.long_cache, self.long_tables, [5] * LONG_ROWS,
+                                  [LONG_CONTEXT] * LONG_ROWS, [self.prompt[: CHUNK - LONG_ROWS]])
+
     def round(self) -> None:
         for figure, fn in (("whole1024_ms", lambda: self.runner.forward_prefill([self.prompt])),
-                           ("chunked1024_ms", self._chunked), ("mixed_ms", self._mixed)):
+                           ("chunked1024_ms", self._chunked), ("mixed_ms", self._mixed),
+                           ("mixed_long_ms", self._mixed_long)):
             start = time.perf_counter()
             fn()
             self.rows[figure].append((time.perf_counter() - start) * 1e3)
@@ -100,7 +119,7 @@ def measure(names: list[str], threads: int, rounds: int) -> dict[str, dict]:
         fig: dict = {"paths": v.runner.kernel_paths()}
         for f, xs in v.rows.items():
             fig[f] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-        for other in ("modules", "fp32attn"):
+        for other in FLAGS:
             base = variants.get(f"{name}+{other}")
             if base is None:
                 continue
@@ -140,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{f} {fig[f]['median']:.0f} ({fig[f]['min']:.0f}-{fig[f]['max']:.0f})"
                  for f in FIGURES]
         print(f"{name:>20}: " + ", ".join(cells))
-        for other in ("modules", "fp32attn"):
+        for other in FLAGS:
             for f in FIGURES:
                 r = fig.get(f"{f}_over_{other}")
                 if r:

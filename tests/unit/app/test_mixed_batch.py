@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from app import model_runner
 from app.config import EngineConfig
 from app.decode import Decoder
 from app.engine_core import EngineCore
@@ -30,11 +31,21 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 49152) for _ in range(n)]
 
 
+@pytest.mark.parametrize("inplace", [True, False])
 @pytest.mark.parametrize("decode_lengths", [[5, 20, 33], [7], []])
-def test_mixed_forward_equals_prefill_and_decode_run_separately(tiny_model, decode_lengths):
+def test_mixed_forward_equals_prefill_and_decode_run_separately(tiny_model, decode_lengths,
+                                                                 inplace, monkeypatch):
     """Decode rows' logits and pool writes, each chunk's last logits and KV: as ``decode`` and
-    ``forward_prefill`` give them (a fresh chunk, a chunk after earlier positions)."""
+    ``forward_prefill`` give them (a fresh chunk, a chunk after earlier positions); the
+    decode rows reading the pool in place (the CPU kernel) or a gathered copy."""
     runner = _core(tiny_model).runner
+    if inplace and not runner.inplace_attention:
+        pytest.skip(f"in-place decode attention unavailable: {runner.inplace_reason}")
+    runner.inplace_attention = inplace
+    built = []
+    real_build = model_runner.MixedStep.build
+    monkeypatch.setattr(model_runner.MixedStep, "build",
+                        lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
     rows = len(decode_lengths)
     tables = contiguous_tables(max(rows, 1), 64, 16)[:rows]
     caches = [runner.make_kv_cache(16, 16) for _ in range(2)]
@@ -53,6 +64,7 @@ def test_mixed_forward_equals_prefill_and_decode_run_separately(tiny_model, deco
         caches[1], tables, tokens, decode_lengths, [fresh, doc[23:]], [None, doc_past])
 
     assert chunk_logits.shape[0] == 2 and dec_logits.shape[0] == rows
+    assert rows == 0 or built[0].decode.inplace == inplace
     for i, (logits, [kv]) in enumerate(ref_chunks):
         torch.testing.assert_close(chunk_logits[i], logits[0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(chunk_kvs[i], kv, rtol=1e-5, atol=1e-5)
