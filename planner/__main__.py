@@ -314,6 +314,12 @@ def _cmd_validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     engines = _engine_devices(args)
     devices = _validation_devices(engines, args)
     cores, stack = _shared_cores(args, engines.get("cpu-1t"))
+    threads = per_kind["split"].prefill_max_threads
+    if args.split and cores is not None and threads > 1:
+        wide = devices.get(f"cpu-{threads}t")
+        print(f"split: a prefill pass alone on the machine takes {threads} threads "
+              f"(prefill_max_threads): " + (f"cpu-{threads}t, {wide.source}" if wide else
+                                            f"no cpu-{threads}t profile, not modelled"))
     comps = validate.validate(devices, results, slos, per_kind, args.policy, cores, stack)
     print(validate.table(comps))
     if args.json:
@@ -331,7 +337,8 @@ def _engine_devices(args: argparse.Namespace) -> dict[str, DeviceProfile]:
         for name, dev in load_devices(path).items():
             if name in devices:
                 devices[name] = dataclasses.replace(devices[name], prefill=dev.prefill,
-                                                    decode=dev.decode)
+                                                    decode=dev.decode,
+                                                    source=f"{path}: {dev.source}")
     return {n: d.slowed(args.slowdown) for n, d in devices.items()}
 
 

@@ -52,9 +52,12 @@ def local_system(kind: str, devices: dict[str, DeviceProfile],
     on one machine (``SplitSystem``'s); None: a core per phase, the stack aside."""
     limits = limits or EngineLimits()
     if kind == "split":
+        # a pass alone on the shared machine takes its idle core (prefill_max_threads)
+        wide = (devices.get(f"cpu-{limits.prefill_max_threads}t")
+                if shared_cores is not None and limits.prefill_max_threads > 1 else None)
         return SplitSystem(devices["cpu-1t"], devices["cpu-1t"], 1, 1, limits,
                            decode_policy=policy, shared_cores=shared_cores,
-                           stack_cores=stack_cores)
+                           stack_cores=stack_cores, prefill_wide=wide)
     if kind == "colocated":
         return ColocatedSystem(devices["cpu-2t"], 1, limits, policy)
     raise ValueError(f"unknown system kind {kind!r}")

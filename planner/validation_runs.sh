@@ -29,7 +29,8 @@ OUT=${OUT:-load_tests/results/planner-validation/$CFG}
 source load_tests/serve_local.sh
 
 if [ "${PROFILE:-1}" = 1 ]; then
-  threads=1; [ "$CFG" = local-colocated ] && threads=2
+  # the split's passes run on 1 thread, or 2 alone on the machine (prefill_max_threads)
+  threads=1,2; [ "$CFG" = local-colocated ] && threads=2
   "$PY" -m planner profile --no-hop --quick --threads "$threads" --dtype "${DTYPE:-auto}" \
     --out "$OUT/engine-profile.json" >"$OUT/engine-profile.log" 2>&1
 fi

@@ -198,10 +198,11 @@ class _PrefillQueue:
         rows, sizes = self.policy.plan_chunks(head, self._candidates(busy), decode_rows)
         return _Chunks(rows, sizes)
 
-    def pass_s(self, rows: list[_Req]) -> float:
-        """One pass: every row padded to the longest chunk, every past to the longest."""
-        return self.device.prefill_chunk_s(len(rows), max(self.chunk_of(r) for r in rows),
-                                           max(r.done for r in rows))
+    def pass_s(self, rows: list[_Req], device: DeviceProfile | None = None) -> float:
+        """One pass (on ``device``, default the queue's): every row padded to the longest
+        chunk, every past to the longest."""
+        return (device or self.device).prefill_chunk_s(
+            len(rows), max(self.chunk_of(r) for r in rows), max(r.done for r in rows))
 
     def advance(self, rows: list[_Req], sizes: Sequence[int] | None = None) -> list[_Req]:
         """The pass of ``rows`` ended: each computed its chunk (``sizes``, or its next

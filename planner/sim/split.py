@@ -18,13 +18,14 @@ from planner.sim.workload import Arrival
 @dataclass(eq=False, slots=True)
 class _Pass:
     """A prefill pass under way on shared cores: its prompts, its work left (seconds on a
-    core of its own), since when at what share of a core, and which of its end events
-    stands (``gen``)."""
+    core of its own), since when at what rate (its share of a core, or ``wide`` on idle
+    cores), and which of its end events stands (``gen``)."""
 
     rows: list[_Req]
     work: float
     since: float
-    share: float = 1.0
+    wide: float = 1.0  # its rate alone on the machine (``SplitSystem.prefill_wide``)
+    rate: float = 1.0
     gen: int = 0
 
 
@@ -157,7 +158,10 @@ class _SplitRun:
                 self.clock.at(self.clock.now + cost,
                               lambda rows=rows, lane=lane: self.prefill_end(i, rows, lane))
             else:
-                self.running[(i, lane)] = _Pass(rows, work, self.clock.now)
+                wide = self.sysm.prefill_wide
+                speed = (work / q.pass_s(rows, wide) if wide is not None and lane == 0
+                         and self.limits.prefill_max_threads > 1 else 1.0)
+                self.running[(i, lane)] = _Pass(rows, work, self.clock.now, speed)
                 started = True
         if started:
             self._reshare()
@@ -166,16 +170,20 @@ class _SplitRun:
 
     def _reshare(self) -> None:
         """On ``shared_cores``: each pass under way runs on its share of them beside what
-        else runs now (``_shares``); called whenever that changes (a pass starts or ends, a
-        decode replica starts or stops stepping), each pass's end moving with its share."""
+        else runs now (``_shares``), or, alone on the machine (no other pass, no decode
+        replica stepping), on its idle cores too (``_Pass.wide``); called whenever that
+        changes (a pass starts or ends, a decode replica starts or stops stepping), each
+        pass's end moving with its rate."""
         now = self.clock.now
         self.shared_key = self._decode_key()
+        alone = len(self.running) == 1 and not any(self.decode.active)
         for (i, lane), p in self.running.items():
-            p.work -= p.share * (now - p.since)
+            p.work -= p.rate * (now - p.since)
             self.prefill_busy[i].prefill_s += now - p.since
             p.since, p.gen = now, p.gen + 1
-            p.share = self._shares(LANE_WEIGHT if lane > 0 else 1.0, exclude_pass=(i, lane))
-            self.clock.at(now + max(p.work, 0.0) / p.share,
+            p.rate = (p.wide if alone else
+                      self._shares(LANE_WEIGHT if lane > 0 else 1.0, exclude_pass=(i, lane)))
+            self.clock.at(now + max(p.work, 0.0) / p.rate,
                           lambda i=i, lane=lane, p=p, gen=p.gen: self._pass_done(i, lane, p, gen))
 
     def _pass_done(self, i: int, lane: int, p: _Pass, gen: int) -> None:

@@ -40,10 +40,15 @@ class EngineLimits:
     # long prompts only (on hardware of its own they share its device:
     # ``_SplitRun._shares``)
     prefill_lanes: int = 1
+    # prefill_max_threads: a pass alone on the machine's cores takes this many threads
+    # (``app.idle_cores``; on shared cores with ``SplitSystem.prefill_wide``)
+    prefill_max_threads: int = 1
 
     def __post_init__(self) -> None:
         if self.prefill_lanes < 1:
             raise ValueError("prefill_lanes must be >= 1")
+        if self.prefill_max_threads < 1:
+            raise ValueError("prefill_max_threads must be >= 1")
         if self.prefill_routing not in ("affinity", "least_loaded"):
             raise ValueError(f"unknown prefill routing {self.prefill_routing!r}")
         if self.local_prefill_threshold < 0 or self.local_prefill_when_busy < 0:
@@ -84,7 +89,8 @@ class EngineLimits:
             prefill_batch_tokens=e.prefill_batch_tokens, prefill_fairness_s=e.prefill_fairness_s,
             local_prefill_threshold=args.local_prefill_threshold,
             local_prefill_when_busy=args.local_prefill_when_busy,
-            prefill_busy_tokens=args.prefill_busy_tokens, prefill_lanes=e.prefill_lanes)
+            prefill_busy_tokens=args.prefill_busy_tokens, prefill_lanes=e.prefill_lanes,
+            prefill_max_threads=e.prefill_max_threads or 1)
 
     def prefill_policy(self) -> PrefillPolicy:
         """A replica's prefill schedule under these bounds (a fresh one: it keeps state)."""
@@ -111,6 +117,10 @@ class SplitSystem:
     # hardware of its own (a fleet)
     shared_cores: float | None = None
     stack_cores: float = 0.0
+    # on shared_cores, the prefill engine on ``limits.prefill_max_threads`` threads: a pass
+    # alone on the machine (no other pass, no stream) runs on it (``app.idle_cores``, which
+    # decides again every few layers); None: passes keep to one core
+    prefill_wide: DeviceProfile | None = None
 
     def __post_init__(self) -> None:
         if self.decode_policy not in ("mixed", "interleave"):

@@ -707,6 +707,34 @@ def test_shared_cores_slow_a_prefill_pass_by_its_share_of_the_cores():
         SplitSystem(dev, dev, shared_cores=0.0)
 
 
+def test_a_pass_alone_on_the_machine_takes_its_idle_cores():
+    """``prefill_max_threads`` (``app.idle_cores``) with ``SplitSystem.prefill_wide``: a pass
+    with no other pass and no stream beside it runs on the wide engine (here twice as
+    fast); while a stream decodes it keeps to its share of one core, and it widens again
+    once the stream ends."""
+    dev = device(prefill_base=0.0, prefill_per_token=0.001, step=0.02)
+    wide = device(prefill_base=0.0, prefill_per_token=0.0005, step=0.02)
+    lim = EngineLimits(batch_wait_s=0.0, local_prefill_when_busy=0, prefill_max_threads=2)
+
+    def ttfts(arrivals, **kw):
+        system = SplitSystem(dev, dev, 1, 1, lim, shared_cores=2.0, **kw)
+        recs = simulate(system, arrivals).records
+        return [r.ttft_s for r in sorted(recs, key=lambda r: r.sent_at)]
+
+    lone = [Arrival(0.0, 400, 2)]
+    assert ttfts(lone) == pytest.approx([0.4], abs=1e-3)
+    assert ttfts(lone, prefill_wide=wide) == pytest.approx([0.2], abs=1e-3)
+    # a 10-token stream (first token at 0.005 s wide, then 9 steps of 20 ms: it decodes
+    # until 0.185 s); the 400-token prompt arriving at 0.1 s runs on one core beside it
+    # (0.085 s, 0.085 of its work), then wide for the rest (0.315 / 2)
+    mid = [Arrival(0.0, 10, 10), Arrival(0.1, 400, 2)]
+    got = ttfts(mid, prefill_wide=wide)
+    assert got[0] == pytest.approx(0.005, abs=1e-3)
+    assert got[1] == pytest.approx(0.085 + (0.4 - 0.085) / 2, abs=2e-3)
+    with pytest.raises(ValueError, match="prefill_max_threads"):
+        EngineLimits(prefill_max_threads=0)
+
+
 def test_shared_cores_slow_a_decode_step_beside_prefill_passes():
     """On ``shared_cores`` a decode step runs on its share of them beside the passes under
     way: two cores, two lanes each with a long prompt and no stack: the step's engine gets
