@@ -314,13 +314,9 @@ def _cmd_validate(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     engines = _engine_devices(args)
     devices = _validation_devices(engines, args)
     cores, stack = _shared_cores(args, engines.get("cpu-1t"))
-    threads = per_kind["split"].prefill_max_threads
-    if args.split and cores is not None and threads > 1:
-        wide = devices.get(f"cpu-{threads}t")
-        print(f"split: a prefill pass alone on the machine takes {threads} threads "
-              f"(prefill_max_threads): " + (f"cpu-{threads}t, {wide.source}" if wide else
-                                            f"no cpu-{threads}t profile, not modelled"))
-    comps = validate.validate(devices, results, slos, per_kind, args.policy, cores, stack)
+    wide = _split_wide(args, engines, per_kind["split"], cores)
+    comps = validate.validate(devices, results, slos, per_kind, args.policy, cores, stack,
+                              wide)
     print(validate.table(comps))
     if args.json:
         Path(args.json).write_text(json.dumps(comps, indent=1))
@@ -374,6 +370,26 @@ def _shared_cores(args: argparse.Namespace,
     return float(stack["cores"]), busy
 
 
+def _split_wide(args: argparse.Namespace, engines: dict[str, DeviceProfile],
+                limits: EngineLimits, cores: float | None) -> DeviceProfile | None:
+    """The split's prefill engine on ``prefill_max_threads`` threads, for a pass alone on
+    the shared machine (``SplitSystem.prefill_wide``): its ``cpu-Nt`` profile, the engine's
+    own time (fitting ``--stack-split``'s lone prompts against it gave v13 a slope of 1.5
+    and a negative intercept: wide passes slower than one thread, 64-token prompts 2.4x too
+    slow); None where the split does not share cores or has no such profile."""
+    threads = limits.prefill_max_threads
+    if not args.split or cores is None or threads < 2:
+        return None
+    engine = engines.get(f"cpu-{threads}t")
+    if engine is None:
+        print(f"split: no cpu-{threads}t profile: a pass alone on the machine is not "
+              "modelled on its idle cores (prefill_max_threads)")
+        return None
+    print(f"split: a prefill pass alone on the machine takes {threads} threads "
+          f"(prefill_max_threads): cpu-{threads}t, {engine.source}")
+    return engine
+
+
 def _with_stack(device: DeviceProfile, name: str, path: str, hop: bool) -> DeviceProfile:
     from planner.profile import stack_device
 
@@ -381,7 +397,8 @@ def _with_stack(device: DeviceProfile, name: str, path: str, hop: bool) -> Devic
     print(f"{name} with the serving stack of {path}: decode step + "
           f"{fitted.decode_stack.c0 * 1000:.1f} ms + "
           f"{fitted.decode_stack.c1 * 1000:.1f} ms x batch; "
-          f"{fitted.request_overhead_s * 1000:.0f} ms per request")
+          f"{fitted.request_overhead_s * 1000:.0f} ms per request; a lone prompt's pass "
+          f"x{fitted.prefill_slowdown / device.prefill_slowdown:.2f}")
     return fitted
 
 

@@ -44,20 +44,18 @@ METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms
 
 def local_system(kind: str, devices: dict[str, DeviceProfile],
                  limits: EngineLimits | None = None, policy: str = "mixed",
-                 shared_cores: float | None = None,
-                 stack_cores: float = 0.0) -> System:
+                 shared_cores: float | None = None, stack_cores: float = 0.0,
+                 prefill_wide: DeviceProfile | None = None) -> System:
     """``policy``: the colocated replica's, and the split decode replicas' for the prompts
     they prefill (``mixed``: ``engine.mixed_batch``, the default; ``interleave``: off).
-    ``shared_cores``, ``stack_cores``: the split's phases and the serving stack
-    on one machine (``SplitSystem``'s); None: a core per phase, the stack aside."""
+    ``shared_cores``, ``stack_cores``, ``prefill_wide``: the split's phases and the serving
+    stack on one machine (``SplitSystem``'s); None: a core per phase, the stack aside."""
     limits = limits or EngineLimits()
     if kind == "split":
-        # a pass alone on the shared machine takes its idle core (prefill_max_threads)
-        wide = (devices.get(f"cpu-{limits.prefill_max_threads}t")
-                if shared_cores is not None and limits.prefill_max_threads > 1 else None)
         return SplitSystem(devices["cpu-1t"], devices["cpu-1t"], 1, 1, limits,
                            decode_policy=policy, shared_cores=shared_cores,
-                           stack_cores=stack_cores, prefill_wide=wide)
+                           stack_cores=stack_cores,
+                           prefill_wide=prefill_wide if shared_cores is not None else None)
     if kind == "colocated":
         return ColocatedSystem(devices["cpu-2t"], 1, limits, policy)
     raise ValueError(f"unknown system kind {kind!r}")
@@ -88,18 +86,19 @@ def validate(devices: dict[str, DeviceProfile], results: dict[str, str | Path],
              slos: dict[str, float] | None = None,
              limits: EngineLimits | dict[str, EngineLimits] | None = None,
              policy: str = "mixed", shared_cores: float | None = None,
-             stack_cores: float = 0.0) -> list[dict[str, Any]]:
+             stack_cores: float = 0.0,
+             prefill_wide: DeviceProfile | None = None) -> list[dict[str, Any]]:
     """``results``: system kind (``split``/``colocated``) -> results.json path; ``limits``:
     the engine's (default ``EngineLimits()``: this engine, paged KV), one for both kinds or
     per kind (``limits_of_app`` of each run's serve config); ``policy``, ``shared_cores``,
-    ``stack_cores``: as ``local_system``'s."""
+    ``stack_cores``, ``prefill_wide``: as ``local_system``'s."""
     out = []
     for kind, path in results.items():
         data = json.loads(Path(path).read_text())
         run_slos = slos if slos is not None else data["config"].get("slos_ms") or {}
         kind_limits = limits.get(kind) if isinstance(limits, dict) else limits
         system = local_system(kind, devices, kind_limits, policy, shared_cores,
-                              stack_cores)
+                              stack_cores, prefill_wide)
         for run in data["runs"]:
             out.append({"system": kind, "slos_ms": run_slos,
                         **compare_run(system, run, run_slos)})
