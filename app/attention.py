@@ -153,7 +153,9 @@ class MixedStep:
     @classmethod
     def build(cls, cache: PagedKVCache, tables: list[list[int]], positions: list[int],
               chunk_lens: list[int], past_lens: list[int],
-              prefill_kernel: bool = False, prefill_bf16: bool = False) -> MixedStep:
+              prefill_kernel: bool = False, prefill_bf16: bool = False,
+              inplace: bool = False) -> MixedStep:
+        """``inplace``: the decode rows read the pool in place (``PagedDecodeStep.build``)."""
         masks: list[torch.Tensor | None] = []
         for n, p in zip(chunk_lens, past_lens, strict=True):
             if p == 0:
@@ -164,7 +166,8 @@ class MixedStep:
                 masks.append((k <= p + q)[None, None])
         return cls(
             rows=len(tables),
-            decode=PagedDecodeStep.build(cache, tables, positions) if tables else None,
+            decode=(PagedDecodeStep.build(cache, tables, positions, inplace=inplace)
+                    if tables else None),
             chunk_lens=chunk_lens, past_lens=past_lens, masks=masks,
             prefill_kernel=prefill_kernel,
             kernel_starts=([torch.tensor([p]) for p in past_lens] if prefill_kernel
@@ -175,7 +178,8 @@ class MixedStep:
 class MixedCacheView:
     """The cache a mixed pass hands the model's layers. ``update`` gets the pass's keys and
     values ``[1, kv_heads, T, head_dim]``: the decode rows' are written into their slots and
-    their blocks gathered (as :class:`PagedCacheView`), the chunks' are kept (``keys``,
+    their blocks gathered, or the pool handed on whole where the kernel reads it in place (as
+    :class:`PagedCacheView`), the chunks' are kept (``keys``,
     ``values``: per layer, the chunks' part, as a prefill pass keeps them) and joined after
     each chunk's past (per chunk, per layer (keys, values) ``[1, kv_heads, P, head_dim]``)."""
 
@@ -196,8 +200,11 @@ class MixedCacheView:
             write = step.decode.write_slots[layer.device]
             layer[0, write] = key_states[0, :, :rows].transpose(0, 1).to(layer.dtype)
             layer[1, write] = value_states[0, :, :rows].transpose(0, 1).to(layer.dtype)
-            read = step.decode.read_slots[layer.device]
-            decode_kv = (layer[0].index_select(0, read), layer[1].index_select(0, read))
+            if step.decode.inplace:  # the whole pool: the kernel reads each row's slots
+                decode_kv = (layer[0], layer[1])
+            else:
+                read = step.decode.read_slots[layer.device]
+                decode_kv = (layer[0].index_select(0, read), layer[1].index_select(0, read))
         new_k, new_v = key_states[:, :, rows:], value_states[:, :, rows:]
         self.keys[layer_idx], self.values[layer_idx] = new_k, new_v
         chunk_kv = []

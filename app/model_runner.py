@@ -361,7 +361,7 @@ class ModelRunner:
         pos_t = torch.tensor([pos], dtype=torch.long, device=self.device)
         step = MixedStep.build(cache, tables, positions, lens, starts,
                                prefill_kernel=self.prefill_kernel,
-                               prefill_bf16=self.prefill_bf16)
+                               prefill_bf16=self.prefill_bf16, inplace=self.inplace_attention)
         # each chunk's past per layer, in the model's dtype on the layer's device
         layer_past = [
             None if kv is None else [
