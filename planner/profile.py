@@ -269,7 +269,7 @@ def stack_cores(device: DeviceProfile, stack: dict[str, Any]) -> float | None:
     stream, on a machine it shares with the engines, from ``measure_stack``'s decode runs:
     the machine's busy time less the engines' own (each request's prefill pass and its
     tokens' decode steps at the run's batch, from ``device``), over the run's wall time;
-    the median over the runs. (Measured on two cores at 1 to 8 streams it stays near 0.6-0.9
+    the median over the runs. (Measured on two cores at 1 to 8 streams it stays near 0.6-1.0
     of a core whatever the token rate: much of it is per step or polling, not per token.)
     None when the stack file has no CPU figures (taken before they were recorded)."""
     cores = []
