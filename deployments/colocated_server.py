@@ -10,8 +10,10 @@ waiting prompt's next chunk rides in the decode step itself (``PrefillQueue.mix_
 and the chunk, under the prefill pass budget, so a running stream waits one (longer) pass per
 token, never a separate prefill pass. With nothing decoding, prompts get prefill passes of
 their own. With ``mixed_batch: false``, a prompt's chunks are prefill passes between two
-decode steps (the model runs one pass at a time): every running stream stalls for each chunk;
-that stall is what the split app removes.
+decode steps: every running stream stalls for each chunk; that stall is what the split app
+removes. With ``mixed_batch: false`` and ``prefill_lanes`` > 1 (each lane on one thread),
+long prompts also get passes on extra lanes, beside the decode steps, as on a prefill
+replica (``PrefillQueue._run_lanes``; BENCHMARKS.md section 7).
 
 It answers the Ingress like a decode replica that prefills locally: ``generate_local`` takes a
 :class:`PrefillRequest` and streams a :class:`StreamStart`, then :class:`TokenEvent` items.
@@ -38,10 +40,12 @@ from deployments.replica import DecodeReplica
 class ColocatedServer(DecodeReplica):
     def __init__(self, args: dict[str, Any]) -> None:
         super().__init__(args, "colocated")
-        # the decode side reports the waiting prompts with its own waiting sequences
+        # the decode side reports the waiting prompts with its own waiting sequences; lanes
+        # run only without mixed batching (deployments.args refuses the two together)
         self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
                                     PrefillMetrics(self.args.model_name, count_waiting=False),
-                                     eos_token_ids=self.eos_token_ids)
+                                     eos_token_ids=self.eos_token_ids,
+                                     lanes=self.core.config.prefill_lanes)
         if self.core.config.mixed_batch:
             self.batcher.mix_into(self.loop)
 
