@@ -136,9 +136,13 @@ for r in $(seq "$ROUNDS"); do
 done
 
 # ---- tables ----
+# ratios over vLLM's figures; a run without it reports its servers over the first one
+baseline=vllm
+[[ " ${servers[*]} " == *" vllm "* ]] || baseline=${servers[0]}
 for dtype in $DTYPES; do
   {
-    python3 load_tests/peer_rounds.py "$OUT/$dtype"/round-* --servers "${servers[@]}"
+    python3 load_tests/peer_rounds.py "$OUT/$dtype"/round-* --servers "${servers[@]}" \
+      --baseline "$baseline"
     echo
     "$PY" -m load_tests.stream_bw --dtype "$dtype" --summarize "$OUT/$dtype"/round-*/stream.json
   } | tee "$OUT/$dtype/table.md"
