@@ -63,8 +63,11 @@ async def test_a_long_prompt_on_an_extra_lane_runs_beside_the_decode_steps(rayle
         server.batcher.prefiller.advance = advance
         server.loop.decoder.step = step
         streaming = asyncio.create_task(_tokens(server, chat))
-        while not server.loop.decoder.running:  # the chat decodes before the documents come
-            await asyncio.sleep(0.005)
+        for _ in range(6000):  # the chat decodes before the documents come (60 s at most)
+            if server.loop.decoder.running or streaming.done():
+                break
+            await asyncio.sleep(0.01)
+        assert server.loop.decoder.running, "the chat never started decoding"
         together = await asyncio.wait_for(
             asyncio.gather(*(_tokens(server, req) for req in docs.values())), 120)
         chat_together = await asyncio.wait_for(streaming, 120)
