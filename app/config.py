@@ -208,9 +208,9 @@ class EngineConfig:
     for long prompts only, and no pass takes idle cores (prefill_max_threads) while another
     runs. Where the phases share a machine, a second document's pass takes what the decode
     replica and the serving stack leave of their core, with no OpenMP barrier between the two
-    passes' threads (app.prefill_queue.PrefillQueue). The colocated app takes it only with
-    mixed_batch: false: long prompts' passes then run beside its decode steps. 1: one pass
-    at a time."""
+    passes' threads (app.prefill_queue.PrefillQueue). In the colocated app, long prompts' passes
+    on the extra lanes run beside its decode steps (with mixed_batch, while chunks ride in
+    them). 1: one pass at a time."""
     prefill_preempt_layers: int = 4
     """A prefill pass runs this many layers at a time, and between two runs a prompt that
     arrived meanwhile and needs at most half the pass's tokens gets its own pass first

@@ -83,17 +83,18 @@ class PrefillQueue:
     next pass. Counts what waits and what was computed.
 
     Mixed batching (``mix_into``, the colocated app): while the decode loop on the same
-    engine has sequences, the queue runs no pass of its own; the loop takes the next chunks
-    into each of its steps (``take_chunks``, ``Prefiller.plan_chunks``) and hands back what
-    the step computed (``chunks_done``). With nothing decoding, it runs its passes again.
+    engine has sequences, the queue runs no pass of its own on that thread; the loop takes
+    the next chunks into each of its steps (``take_chunks``, ``Prefiller.plan_chunks``) and
+    hands back what the step computed (``chunks_done``), and extra lanes, if any, still run
+    long prompts' passes beside the steps. With nothing decoding, it runs its passes again.
     """
 
     def __init__(self, core: EngineCore, wait_s: float, metrics: PassMetrics,
                  on_batch: Callable[[int, int, float], None] | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), lanes: int = 1) -> None:
         self.core = core
-        # passes at once, each on an engine lane of its own (a prefill replica's
-        # prefill_lanes; a queue whose engine also decodes keeps to one)
+        # passes at once, each on an engine lane of its own (prefill_lanes; where the
+        # engine also decodes with mixed batching, lane 0 only while nothing decodes)
         self.lanes = lanes
         self._running: dict[int, asyncio.Task] = {}  # lane -> the pass task running there
         self.lane_passes = 0  # passes started on an extra lane (beside another)
@@ -141,6 +142,8 @@ class PrefillQueue:
             return
         self.mixed_passes += 1
         self._record_pass(plan.rows, plan.before, plan.packages, plan.elapsed)
+        if self.lanes > 1:
+            self._wake.set()  # its long prompts are free again for an extra lane
 
     def decode_idle(self) -> None:
         self._wake.set()
@@ -188,7 +191,7 @@ class PrefillQueue:
             return []
 
     async def _run(self) -> None:
-        if self.lanes > 1 and self.decode is None:
+        if self.lanes > 1:
             await self._run_lanes()
             return
         while True:
@@ -216,6 +219,8 @@ class PrefillQueue:
         layers = self.core.config.prefill_preempt_layers or None
         while True:
             free = [i for i in range(self.lanes) if i not in self._running]
+            if self.decode is not None and self.decode.busy:
+                free = [i for i in free if i > 0]  # lane 0's thread steps, chunks riding
             rows: list[PrefillJob] = []
             if free:
                 jobs = self._free_jobs()

@@ -336,9 +336,6 @@ class AppArgs(BaseModel):
                 raise ValueError(f"device {eng.device!r} needs ray_actor_options.num_gpus > 0 "
                                  "(Ray gives a replica without GPUs none to see)")
             spread = on_gpu and args.num_gpus > 1
-            if phase == "colocated" and eng.prefill_lanes > 1 and eng.mixed_batch:
-                raise ValueError("prefill_lanes > 1 needs mixed_batch: false (mixed batching "
-                                 "puts the prompt chunks in the decode steps, on one lane)")
             return dataclasses.replace(
                 eng, num_threads=args.num_threads,
                 num_gpus=int(args.num_gpus) if spread else 1,

@@ -11,9 +11,10 @@ and the chunk, under the prefill pass budget, so a running stream waits one (lon
 token, never a separate prefill pass. With nothing decoding, prompts get prefill passes of
 their own. With ``mixed_batch: false``, a prompt's chunks are prefill passes between two
 decode steps: every running stream stalls for each chunk; that stall is what the split app
-removes. With ``mixed_batch: false`` and ``prefill_lanes`` > 1 (each lane on one thread),
-long prompts also get passes on extra lanes, beside the decode steps, as on a prefill
-replica (``PrefillQueue._run_lanes``; BENCHMARKS.md section 7).
+removes. With ``prefill_lanes`` > 1 (each lane on one thread), long prompts also get
+passes on extra lanes, beside the decode steps, as on a prefill replica
+(``PrefillQueue._run_lanes``; with ``mixed_batch`` the engine thread's lane 0 runs passes
+only while nothing decodes; BENCHMARKS.md section 7).
 
 It answers the Ingress like a decode replica that prefills locally: ``generate_local`` takes a
 :class:`PrefillRequest` and streams a :class:`StreamStart`, then :class:`TokenEvent` items.
@@ -40,8 +41,7 @@ from deployments.replica import DecodeReplica
 class ColocatedServer(DecodeReplica):
     def __init__(self, args: dict[str, Any]) -> None:
         super().__init__(args, "colocated")
-        # the decode side reports the waiting prompts with its own waiting sequences; lanes
-        # run only without mixed batching (deployments.args refuses the two together)
+        # the decode side reports the waiting prompts with its own waiting sequences
         self.batcher = PrefillQueue(self.core, self.args.prefill_batch_wait_s,
                                     PrefillMetrics(self.args.model_name, count_waiting=False),
                                      eos_token_ids=self.eos_token_ids,

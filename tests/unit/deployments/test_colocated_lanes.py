@@ -1,7 +1,8 @@
-"""The colocated app with ``mixed_batch: false`` and ``prefill_lanes: 2``: a long prompt's
-pass runs on an extra lane (a thread of its own) while the engine thread runs the running
-streams' decode steps, and every answer is the one the app gives a request alone. The real
-server class on the tiny model, without Ray (``rayless_replicas``)."""
+"""The colocated app with ``prefill_lanes: 2``: a long prompt's pass runs on an extra lane (a
+thread of its own) while the engine thread runs the running streams' decode steps (with
+``mixed_batch``, the other prompts' chunks riding in them), and every answer is the one the
+app gives a request alone. The real server class on the tiny model, without Ray
+(``rayless_replicas``)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,14 @@ import pytest
 
 from app.messages import PrefillRequest, StreamStart
 from app.sampling import SamplingParams
-from deployments.args import AppArgs
 from deployments.colocated_server import ColocatedServer
 
 LONG = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 STREAM = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
 
-def _server(lanes: int) -> Any:
-    engine = {"prefix_cache_mb": 0, "mixed_batch": False, "prefill_lanes": lanes,
+def _server(lanes: int, mixed: bool) -> Any:
+    engine = {"prefix_cache_mb": 0, "mixed_batch": mixed, "prefill_lanes": lanes,
               "prefill_chunk_tokens": 16, "prefill_preempt_layers": 0}
     return ColocatedServer.func_or_class({"engine": engine, "colocated": {"num_threads": 1}})
 
@@ -32,8 +32,10 @@ async def _tokens(server: Any, req: PrefillRequest) -> list[int]:
     return [e.token_id for e in items[1:]]
 
 
-async def test_a_long_prompt_on_an_extra_lane_runs_beside_the_decode_steps(rayless_replicas):
-    server = _server(lanes=2)
+@pytest.mark.parametrize("mixed", [False, True])
+async def test_a_long_prompt_on_an_extra_lane_runs_beside_the_decode_steps(rayless_replicas,
+                                                                          mixed):
+    server = _server(lanes=2, mixed=mixed)
     docs = {rid: PrefillRequest(rid, tuple(range(base, base + n)), LONG)
             for rid, base, n in (("doc-a", 200, 40), ("doc-b", 300, 41))}
     chat = PrefillRequest("chat", tuple(range(50, 56)), STREAM)
@@ -79,13 +81,5 @@ async def test_a_long_prompt_on_an_extra_lane_runs_beside_the_decode_steps(rayle
     assert dict(zip(docs, together, strict=True)) == alone  # greedy: the same answers
     assert chat_together == chat_alone and len(chat_alone) == 400
     assert server.batcher.lane_passes >= 1
-
-
-def test_the_colocated_app_refuses_lanes_with_mixed_batching():
-    """Mixed batching puts every prompt chunk in a decode step, on the one engine thread:
-    lanes there would be a setting that does nothing, so the config is refused."""
-    args = {"engine": {"prefill_lanes": 2}, "colocated": {"num_threads": 1}}
-    with pytest.raises(ValueError, match="prefill_lanes > 1 needs mixed_batch: false"):
-        AppArgs.model_validate(args)
-    args["engine"]["mixed_batch"] = False
-    assert AppArgs.model_validate(args).engine_config("colocated").prefill_lanes == 2
+    if mixed:  # the other document's chunks rode in the decode steps
+        assert server.batcher.mixed_passes >= 1
