@@ -60,10 +60,9 @@ class EngineCore:
     One thread of its own (``thread``) loads the model and runs every forward pass, and
     ``run`` is how async code reaches it. A prefill replica with ``prefill_lanes`` > 1 also
     runs passes on extra lanes (``run(..., lane=i)``), each a thread of its own on one torch
-    thread at the lowest CPU priority. Torch's OpenMP pool belongs to the thread that
-    calls it: once two threads of a process have run parallel ops, there are more pool
-    threads than cores and every parallel region wakes its workers the slow way (what that
-    cost a decode step: BENCHMARKS.md, "Split vs colocated").
+    thread at the lowest CPU priority. The engine's kernels run on their own thread team
+    (app/csrc/pool.h), one per calling thread, with as many threads as torch's setting on
+    that thread; torch's own operators run on its OpenMP pool.
     """
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
