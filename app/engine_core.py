@@ -44,7 +44,7 @@ LANE_NICE = 19  # an extra lane's thread: the lowest CPU priority
 
 
 def _extra_lane_init() -> None:
-    """An extra lane's thread: one torch thread (no OpenMP team of its own), and the
+    """An extra lane's thread: one torch thread (no thread team of its own), and the
     lowest CPU priority, so its pass takes the cycles others leave (raising one's own
     niceness needs no privilege; where the OS refuses, the thread keeps its priority)."""
     torch.set_num_threads(1)
