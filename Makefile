@@ -28,7 +28,7 @@ test-unit: setup
 # The kernels' tests against a build with AddressSanitizer and UBSan (gcc's runtimes preloaded
 # into Python; its own cache, so the normal build is untouched): any out-of-bounds access or
 # undefined behaviour stops the run with a report. About 3 minutes on 2 cores.
-KERNEL_TESTS := tests/unit/app/test_kernel_boundary.py tests/unit/app/test_kernel_pool.py tests/unit/app/test_cpu_kernels.py \
+KERNEL_TESTS := tests/unit/app/test_kernel_boundary.py tests/unit/app/test_cpu_kernels.py \
 	tests/unit/app/test_weight_kinds.py tests/unit/app/test_fused_decode.py \
 	tests/unit/app/test_prefill_attention.py
 test-kernels-asan: setup

@@ -207,7 +207,7 @@ class EngineConfig:
     own; the extra ones run on one torch thread each at the lowest CPU priority (nice 19) and
     for long prompts only, and no pass takes idle cores (prefill_max_threads) while another
     runs. Where the phases share a machine, a second document's pass takes what the decode
-    replica and the serving stack leave of their core, with no barrier between the two
+    replica and the serving stack leave of their core, with no OpenMP barrier between the two
     passes' threads (app.prefill_queue.PrefillQueue). In the colocated app, long prompts' passes
     on the extra lanes run beside its decode steps (with mixed_batch, while chunks ride in
     them). 1: one pass at a time."""

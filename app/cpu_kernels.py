@@ -45,6 +45,8 @@ import threading
 import time
 from pathlib import Path
 
+# torch first: it loads its own libgomp.so.1, which the kernel's DT_NEEDED then resolves to,
+# so the kernel's OpenMP team is torch's thread pool
 import torch
 
 from app.config import cpu_flags, default_cache_dir
@@ -52,18 +54,16 @@ from app.config import cpu_flags, default_cache_dir
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(_CSRC / name for name in ("pool.c", "panel_gemm.c", "panel_bf16dp.c",
-                                          "panel_i8dp.c",
+SOURCES = tuple(_CSRC / name for name in ("panel_gemm.c", "panel_bf16dp.c", "panel_i8dp.c",
                                           "paged_attention.c", "decode_step.c",
                                           "prefill_layer.c", "prefill_attention.c",
                                           "prefill_attention_bf16.c"))
 HEADER = _CSRC / "kernels.h"  # every exported function: the bindings are read from it
-HEADERS = (HEADER, *(_CSRC / name for name in ("vec_math.h", "layer_ops.h", "pool.h",
-                                                 "prefill_job.h", "panel_body.h",
-                                                 "panel_body512.h")))
+HEADERS = (HEADER, *(_CSRC / name for name in ("vec_math.h", "layer_ops.h",
+                                                 "panel_body.h", "panel_body512.h")))
 # the instructions the build targets (-m...): what a CPU needs to load the library at all;
 # AVX-512, AVX512-BF16 and VNNI paths are chosen at run time by the CPU's own flags
-FLAGS = ("-O3", "-mavx2", "-mfma", "-pthread", "-fPIC", "-shared", "-std=gnu11",
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
          # extra flags for a checking build (make test-kernels-asan); part of the name
          *os.environ.get("SPLITSERVE_KERNEL_CFLAGS", "").split())
 BUILD_TIMEOUT_S = 300.0
@@ -163,14 +163,15 @@ def choose_library(cache_dir: Path, identity: str) -> tuple[Path, bool]:
 
 
 def openmp_mismatch(library: Path) -> str | None:
-    """Why ``library`` would bring an OpenMP runtime into the process, or None. The kernels
-    run on their own thread team (``csrc/pool.c``); a build that linked an OpenMP runtime
-    (libgomp beside torch's, clang's libomp, Intel's iomp) would run a second pool of
-    threads against torch's."""
+    """Why ``library`` would bring a second OpenMP runtime into the process (it must link
+    torch's libgomp.so.1, as gcc's -fopenmp does; clang's libomp or Intel's iomp would run a
+    second thread pool against torch's), or None."""
     data = library.read_bytes()
-    for runtime in (b"libgomp.so", b"libomp.so", b"libiomp5.so"):
-        if runtime in data:
-            return f"{library.name} links {runtime.decode()}: the kernels run no OpenMP"
+    for other in (b"libomp.so", b"libiomp5.so"):
+        if other in data:
+            return f"{library.name} links {other.decode()}, not torch's libgomp.so.1"
+    if b"libgomp.so.1" not in data:
+        return f"{library.name} does not link libgomp.so.1 (torch's OpenMP runtime)"
     return None
 
 

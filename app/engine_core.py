@@ -44,7 +44,7 @@ LANE_NICE = 19  # an extra lane's thread: the lowest CPU priority
 
 
 def _extra_lane_init() -> None:
-    """An extra lane's thread: one torch thread (no thread team of its own), and the
+    """An extra lane's thread: one torch thread (no OpenMP team of its own), and the
     lowest CPU priority, so its pass takes the cycles others leave (raising one's own
     niceness needs no privilege; where the OS refuses, the thread keeps its priority)."""
     torch.set_num_threads(1)
@@ -60,9 +60,10 @@ class EngineCore:
     One thread of its own (``thread``) loads the model and runs every forward pass, and
     ``run`` is how async code reaches it. A prefill replica with ``prefill_lanes`` > 1 also
     runs passes on extra lanes (``run(..., lane=i)``), each a thread of its own on one torch
-    thread at the lowest CPU priority. The engine's kernels run on their own thread team
-    (app/csrc/pool.h), one per calling thread, with as many threads as torch's setting on
-    that thread; torch's own operators run on its OpenMP pool.
+    thread at the lowest CPU priority. Torch's OpenMP pool belongs to the thread that
+    calls it: once two threads of a process have run parallel ops, there are more pool
+    threads than cores and every parallel region wakes its workers the slow way (what that
+    cost a decode step: BENCHMARKS.md, "Split vs colocated").
     """
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:

@@ -31,10 +31,6 @@ enum sk_status {
 /* What a status means, naming the argument at fault. */
 const char *sk_status_message(int status);
 
-/* pool.c: the kernels' thread team (pool.h); a check for tests: `tasks` tasks on `threads`
-   threads, owner[task] the worker that ran it (0: the caller), runs[task] += 1 each run */
-int sk_pool_selftest(long tasks, int threads, long *owner, long *runs);
-
 /* panel_gemm.c: panels of 16 output columns, float32 / bf16 / int8 */
 long panel_nr(void);
 long panel_floats(long n, long k);

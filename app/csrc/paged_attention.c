@@ -9,8 +9,8 @@
  * softmax in float32 (max subtracted), then the values weighted. head_dim 64 (SmolLM2's, and
  * most small models') has its own path: eight keys scored at a time with one horizontal pass
  * per eight, a vector exp, the output's 64 sums held in registers; any other multiple of 8
- * goes through the general one (a dot product per key, expf). Rows x KV heads are
- * shared out over the kernels' team of `threads` (pool.h), taken as threads come free.
+ * goes through the general one (a dot product per key, expf). Rows x KV heads are shared out over an OpenMP team of `threads` (torch's own
+ * pool, as in panel_gemm.c).
  *
  * The layer's pool is [2, slots, kv_heads, head_dim] (keys, then values), contiguous.
  *
@@ -20,10 +20,10 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "kernels.h"
-#include "pool.h"
 #include "vec_math.h"
 
 static inline float dot8(const float *a, const float *b, long n) {
@@ -174,34 +174,6 @@ int paged_slots_check(const long *write, long rows, const long *read, long nread
     return SK_OK;
 }
 
-/* One (row, KV head) of a decode attention, its scores in its worker's scratch. */
-struct pa_job {
-    const float *q, *keys, *values;
-    const long *read, *offsets;
-    float *scratch;
-    long per, kv_heads, hd, group;
-    float scale;
-    float *out;
-};
-
-static void pa_task(void *ctx, long t, int worker) {
-    const struct pa_job *j = ctx;
-    float *scores = j->scratch + j->per * worker;
-    long kv_heads = j->kv_heads, hd = j->hd, group = j->group;
-    long b = t / kv_heads, h = t % kv_heads;
-    long n = j->offsets[b + 1] - j->offsets[b];
-    long head0 = (b * kv_heads + h) * group * hd;
-    if (n > 0 && hd == 64) {
-        one_head64(j->q + head0, j->keys + h * hd, j->values + h * hd, kv_heads, group,
-                   j->read + j->offsets[b], n, j->scale, j->out + head0, scores);
-    } else if (n > 0) {
-        one_head(j->q + head0, j->keys + h * hd, j->values + h * hd, kv_heads, hd, group,
-                 j->read + j->offsets[b], n, j->scale, j->out + head0, scores);
-    } else {
-        for (long i = 0; i < group * hd; i++) j->out[head0 + i] = 0.0f;
-    }
-}
-
 /* q, out: [rows, kv_heads * group, hd]; keys, values: [slots, kv_heads, hd]. Returns SK_OK,
    SK_UNSUPPORTED when hd is not a multiple of 8, SK_BAD_SHAPE for counts out of range,
    paged_slots_check's statuses, or SK_NO_MEMORY. */
@@ -225,9 +197,22 @@ int paged_decode_attention(const float *q, const float *keys, const float *value
     long per = group * (longest > 0 ? longest : 1);
     float *scratch = malloc(sizeof(float) * (size_t)(per * threads));
     if (scratch == NULL) return SK_NO_MEMORY;
-    struct pa_job job = {q, keys, values, read, offsets, scratch, per, kv_heads, hd, group,
-                         scale, out};
-    sk_parallel(tasks, pa_task, &job, threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < tasks; t++) {
+        float *scores = scratch + per * omp_get_thread_num();
+        long b = t / kv_heads, h = t % kv_heads;
+        long n = offsets[b + 1] - offsets[b];
+        long head0 = (b * kv_heads + h) * group * hd;
+        if (n > 0 && hd == 64) {
+            one_head64(q + head0, keys + h * hd, values + h * hd, kv_heads, group,
+                       read + offsets[b], n, scale, out + head0, scores);
+        } else if (n > 0) {
+            one_head(q + head0, keys + h * hd, values + h * hd, kv_heads, hd, group,
+                     read + offsets[b], n, scale, out + head0, scores);
+        } else {
+            for (long i = 0; i < group * hd; i++) out[head0 + i] = 0.0f;
+        }
+    }
     free(scratch);
     return SK_OK;
 }

@@ -20,16 +20,17 @@
  * chain of vdpbf16ps over the pairs of k in order, then the bias (for every tile, block and
  * thread split), so a row's result does not depend on the batch it is in.
  *
- * Threads: as panel_gemm.c: groups of panels taken by the kernels' team (pool.h) as threads
- * come free, a prefill-sized product's kept in L2 while every block of 48 rows passes through.
+ * Threads: as panel_gemm.c: a decode-sized product's panels in equal shares, a prefill-sized
+ * one's in groups (kept in L2 while every block of 48 rows passes through) taken as threads
+ * come free.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
-#include "pool.h"
 
 #define NR 16
 #define MB 48
@@ -213,23 +214,6 @@ static void dp_run(const uint32_t *xb, long m, long kp, const uint16_t *p, long 
     }
 }
 
-struct dp_job {
-    const uint32_t *xb;
-    long m, kp;
-    const uint16_t *p;
-    long n;
-    const float *bias;
-    float *y;
-    long panels, group;
-};
-
-static void dp_task(void *ctx, long task, int worker) {
-    const struct dp_job *j = ctx;
-    long q0 = task * j->group, q1 = q0 + j->group < j->panels ? q0 + j->group : j->panels;
-    (void)worker;
-    dp_run(j->xb, j->m, j->kp, j->p, j->n, j->bias, j->y, q0, q1);
-}
-
 /* y [m, n] = x [m, k] @ W^T + bias, W packed by panel_pack_pairs. Returns SK_OK,
    SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-BF16, SK_NO_MEMORY. */
 int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, const float *bias,
@@ -249,20 +233,27 @@ int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, con
     if (threads > panels) threads = (int)panels;
     if (threads <= 1 || m * n * k < 65536) {
         dp_run(xb, m, kp, p, n, bias, y, 0, panels);
-    } else {
-        /* a prefill-sized product: groups no larger than L2 holds, and at least four per
-           thread, so that a thread whose core is shared (or that drew the last group)
-           leaves the others little to wait for (a product of 60 panels in groups of 14
-           kept one of two threads idle for a fifth of it); a decode-sized one: four
-           groups a thread, taken as threads come free (pool.h) */
-        long group = (panels + 4L * threads - 1) / (4L * threads);
-        if (m > MB) {
-            long fits = GROUP_BYTES / (kp * NR * 2 * 2);
-            group = (fits < group ? fits : group) / 2 * 2;
-            if (group < 2) group = 2;
+    } else if (m > MB) {
+        /* groups no larger than L2 holds, and at least four per thread, so that a thread
+           whose core is shared (or that drew the last group) leaves the others little to
+           wait for: a product of 60 panels in groups of 14 kept one of two threads idle
+           for a fifth of it */
+        long group = GROUP_BYTES / (kp * NR * 2 * 2), fair = panels / (4L * threads);
+        group = (group < fair ? group : fair) / 2 * 2;
+        if (group < 2) group = 2;
+        long chunks = (panels + group - 1) / group;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (long c = 0; c < chunks; c++) {
+            long q0 = c * group, q1 = q0 + group < panels ? q0 + group : panels;
+            dp_run(xb, m, kp, p, n, bias, y, q0, q1);
         }
-        struct dp_job job = {xb, m, kp, p, n, bias, y, panels, group};
-        sk_parallel((panels + group - 1) / group, dp_task, &job, threads);
+    } else {
+#pragma omp parallel num_threads(threads)
+        {
+            long t = omp_get_thread_num(), team = omp_get_num_threads();
+            long q0 = panels * t / team, q1 = panels * (t + 1) / team;
+            if (q1 > q0) dp_run(xb, m, kp, p, n, bias, y, q0, q1);
+        }
     }
     free(xb);
     return SK_OK;

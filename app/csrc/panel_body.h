@@ -340,26 +340,9 @@ static void N(run_scaled)(const float *x, long m, long k, const WT *p, long n,
     scale_cols(y, m, n, scale, bias, q0 * NR, q1 * NR < n ? q1 * NR : n);
 }
 
-/* One task of a product split between threads: panels [task * group, + group). */
-struct N(job) {
-    const float *x, *bias, *scale;
-    const WT *p;
-    float *y;
-    long m, k, n, panels, group;
-};
-
-static void N(task)(void *ctx, long task, int worker) {
-    const struct N(job) *j = ctx;
-    long q0 = task * j->group, q1 = q0 + j->group < j->panels ? q0 + j->group : j->panels;
-    (void)worker;
-    N(run_scaled)(j->x, j->m, j->k, j->p, j->n, j->bias, j->scale, j->y, q0, q1);
-}
-
-/* y [m, n] = x [m, k] @ W^T + bias (x and y contiguous). threads > 1: the panels in groups
-   taken by the kernels' team as threads come free (pool.h), so a thread that shares its
-   core with another process (the serving stack, a replica beside) takes fewer and the
-   others do not wait for it: a prefill-sized product's groups about GROUP_BYTES (kept in
-   L2 while every block of rows passes through), a decode-sized one's four a thread. */
+/* y [m, n] = x [m, k] @ W^T + bias (x and y contiguous). threads > 1: the panels are split
+   between the threads of an OpenMP team (a decode-sized product in equal shares, a
+   prefill-sized one in groups taken as threads come free). */
 static void N(linear)(const float *x, long m, long k, const WT *p, long n, const float *bias,
                       const float *scale, float *y, int threads) {
     long panels = (n + NR - 1) / NR;
@@ -369,9 +352,25 @@ static void N(linear)(const float *x, long m, long k, const WT *p, long n, const
         N(run_scaled)(x, m, k, p, n, bias, scale, y, 0, panels);
         return;
     }
-    long group = m > MB ? N(pair_group)(k) : (panels + 4L * threads - 1) / (4L * threads);
-    struct N(job) job = {x, bias, scale, p, y, m, k, n, panels, group};
-    sk_parallel((panels + group - 1) / group, N(task), &job, threads);
+    if (m > MB) {
+        /* a prefill-sized product: groups of panels handed out one at a time, so a thread
+           that shares its core with another process (a decode replica on the same machine)
+           takes fewer and the others do not wait for it at the end */
+        long group = N(pair_group)(k);
+        long chunks = (panels + group - 1) / group;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (long c = 0; c < chunks; c++) {
+            long q0 = c * group, q1 = q0 + group < panels ? q0 + group : panels;
+            N(run_scaled)(x, m, k, p, n, bias, scale, y, q0, q1);
+        }
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        long t = omp_get_thread_num(), team = omp_get_num_threads();
+        long q0 = panels * t / team, q1 = panels * (t + 1) / team;
+        if (q1 > q0) N(run_scaled)(x, m, k, p, n, bias, scale, y, q0, q1);
+    }
 }
 
 #undef WT

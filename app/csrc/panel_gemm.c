@@ -38,20 +38,20 @@
  * the work is split between threads: a row computes bit for bit the same alone or in any
  * batch.
  *
- * Threads: panel_linear(.., threads > 1) splits the panels into groups that the kernels'
- * own team (pool.c) takes as its threads come free; the calling thread never waits for a
- * thread that has not started (an OpenMP team waits for all of its threads at the end of
- * every product, so one whose core the serving stack took holds up the rest).
+ * Threads: panel_linear(.., threads > 1) splits the panels between the threads of an OpenMP
+ * team. The library is linked against libgomp by SONAME and loaded after torch, so it runs on
+ * the very runtime and thread pool torch's own operators use (torch ships libgomp.so.1):
+ * no second pool competing for the cores between the products.
  *
- * Built at run time by app/cpu_kernels.py (cc -O3 -mavx2 -mfma -pthread -shared); no torch
+ * Built at run time by app/cpu_kernels.py (cc -O3 -mavx2 -mfma -fopenmp -shared); no torch
  * headers.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "kernels.h"
-#include "pool.h"
 
 #define NR 16
 #define MR 6

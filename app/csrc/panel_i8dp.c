@@ -34,12 +34,12 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
-#include "pool.h"
 
 #define NR 16
 #define MB 48
@@ -253,18 +253,6 @@ static void vn_run(const struct vn_job *j, long q0, long q1) {
     }
 }
 
-struct vn_split {
-    const struct vn_job *job;
-    long panels, group;
-};
-
-static void vn_task(void *ctx, long task, int worker) {
-    const struct vn_split *s = ctx;
-    long q0 = task * s->group, q1 = q0 + s->group < s->panels ? q0 + s->group : s->panels;
-    (void)worker;
-    vn_run(s->job, q0, q1);
-}
-
 /* y [m, n] = x [m, k] @ (W * scale)^T + bias, W packed by panel_pack_pairs_i8, scale [n].
    Returns SK_OK, SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
 int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
@@ -290,16 +278,24 @@ int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const f
     if (threads > panels) threads = (int)panels;
     if (threads <= 1 || m * n * k < 65536) {
         vn_run(&job, 0, panels);
-    } else {
-        /* as panel_bf16dp.c: four groups a thread, a prefill-sized product's within L2 */
-        long group = (panels + 4L * threads - 1) / (4L * threads);
-        if (m > MB) {
-            long fits = GROUP_BYTES / (kp * NR * 2);
-            group = (fits < group ? fits : group) / 2 * 2;
-            if (group < 2) group = 2;
+    } else if (m > MB) {
+        /* as panel_bf16dp.c: groups within L2, at least four a thread */
+        long group = GROUP_BYTES / (kp * NR * 2), fair = panels / (4L * threads);
+        group = (group < fair ? group : fair) / 2 * 2;
+        if (group < 2) group = 2;
+        long chunks = (panels + group - 1) / group;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (long c = 0; c < chunks; c++) {
+            long q0 = c * group, q1 = q0 + group < panels ? q0 + group : panels;
+            vn_run(&job, q0, q1);
         }
-        struct vn_split split = {&job, panels, group};
-        sk_parallel((panels + group - 1) / group, vn_task, &split, threads);
+    } else {
+#pragma omp parallel num_threads(threads)
+        {
+            long t = omp_get_thread_num(), team = omp_get_num_threads();
+            long q0 = panels * t / team, q1 = panels * (t + 1) / team;
+            if (q1 > q0) vn_run(&job, q0, q1);
+        }
     }
     free(xq);
     free(xs);

@@ -25,20 +25,19 @@
  * loads per key dimension), then the rows' softmax steps, then output [6][16 of D] += p @ V
  * over the keys any of the tile's rows sees, two loads of V per key shared by the six rows
  * (a row that does not see a key has p exactly 0 there; the key is a real one, so finite).
- * Query blocks are shared out over the kernels' team (pool.h), taken as threads come free,
- * the longest first: under the causal mask later blocks hold more work (prefill_job.h).
+ * Query blocks are shared out over an OpenMP team (torch's pool, as in panel_gemm.c), in
+ * dynamic order: under the causal mask later blocks hold more work.
  *
  * Strides are in floats, for the batch, the head and the position; the head dimension is
  * contiguous. D must be a multiple of 16 and at most 256.
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
-#include "pool.h"
-#include "prefill_job.h"
 #include "vec_math.h"
 
 #define KP 16   /* key positions per panel: one zmm */
@@ -337,24 +336,25 @@ static void attend_block8(int mr, long i0, const float *q, long qs, const float 
     }
 }
 
-/* keys [T][D] of (row, KV head) bg to the panel layout, as a weight's rows: [T/16][D][16] */
-static void pack_task(void *ctx, long bg, int worker) {
-    const struct prefill_job *j = ctx;
-    (void)worker;
-    panel_pack(j->k + bg / j->kv_heads * j->ksb + bg % j->kv_heads * j->ksh, j->kss, j->t,
-               j->d, (float *)j->kt + bg * j->per);
-}
-
-static void attend_task(void *ctx, long task, int worker) {
-    const struct prefill_job *j = ctx;
-    struct prefill_block pb = prefill_block_of(j, task, QB);
-    (void)worker;
-    (j->wide ? attend_block : attend_block8)(
-        pb.mr, pb.i0, j->q + pb.b * j->qsb + pb.h * j->qsh + pb.i0 * j->qss, j->qss,
-        (float *)j->kt + (pb.b * j->kv_heads + pb.g) * j->per,
-        j->v + pb.b * j->vsb + pb.g * j->vsh, j->vss,
-        j->out + pb.b * j->osb + pb.h * j->osh + pb.i0 * j->oss, j->oss, j->d, j->t,
-        j->starts[pb.b], j->pmax, j->scale);
+/* The arguments' checks of prefill_attention and prefill_attention_bf16: SK_OK (also for
+   no rows or no positions: nothing to attend, the pointers not read); SK_UNSUPPORTED for a
+   head_dim the kernels do not serve (the engine checks the model's at start-up,
+   app/prefill_attention.py:prefill_attention_unavailable, and then runs every pass in
+   torch's attention; at call time it is an error); SK_BAD_SHAPE for counts out of range
+   (batch, s, pmax < 0, heads not a multiple of kv_heads, t not pmax + s, threads < 1) or a
+   NULL pointer; SK_BAD_STARTS for a row whose cached positions are not within [0, pmax]. */
+int prefill_attention_args(const float *q, const float *k, const float *v, const float *out,
+                           long batch, long heads, long kv_heads, long s, long t, long d,
+                           const long *starts, long pmax, int threads) {
+    if (batch < 0 || s < 0 || pmax < 0 || heads < 1 || kv_heads < 1 || heads % kv_heads != 0
+        || t != pmax + s || threads < 1)
+        return SK_BAD_SHAPE;
+    if (d < 16 || d % 16 != 0 || d > DMAX) return SK_UNSUPPORTED;
+    if (batch * s == 0) return SK_OK; /* nothing to attend: the pointers are not read */
+    if (q == NULL || k == NULL || v == NULL || out == NULL || starts == NULL) return SK_BAD_SHAPE;
+    for (long b = 0; b < batch; b++)
+        if (starts[b] < 0 || starts[b] > pmax) return SK_BAD_STARTS;
+    return SK_OK;
 }
 
 /* Those statuses, or SK_NO_MEMORY. AVX-512 where the panel kernel uses it
@@ -368,16 +368,30 @@ int prefill_attention(const float *q, long qsb, long qsh, long qss,
     int status = prefill_attention_args(q, k, v, out, batch, heads, kv_heads, s, t, d, starts,
                                         pmax, threads);
     if (status != SK_OK || batch * s == 0) return status;
-    long tp = (t + KP - 1) / KP, per = tp * d * KP;
+    int wide = panel_uses_avx512();
+    long group = heads / kv_heads, tp = (t + KP - 1) / KP;
+    long per = tp * d * KP;
     float *kt = aligned_alloc(64, (size_t)(batch * kv_heads * per) * sizeof(float) + 64);
     if (kt == NULL) return SK_NO_MEMORY;
-    long blocks = (s + QB - 1) / QB;
-    struct prefill_job job = {q, k, v, out, qsb, qsh, qss, ksb, ksh, kss, vsb, vsh, vss, osb,
-                              osh, oss, batch, heads, kv_heads, s, t, d, pmax, per, tp, blocks,
-                              batch * heads * blocks, starts, scale, kt, NULL,
-                              panel_uses_avx512()};
-    sk_parallel(batch * kv_heads, pack_task, &job, threads);
-    sk_parallel(job.tasks, attend_task, &job, threads);
+    long pairs = batch * kv_heads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long bg = 0; bg < pairs; bg++) {
+        long b = bg / kv_heads, g = bg % kv_heads;
+        /* keys [T][D] are a weight's rows to the panel layout: [T/16][D][16] */
+        panel_pack(k + b * ksb + g * ksh, kss, t, d, kt + bg * per);
+    }
+    long blocks = (s + QB - 1) / QB, tasks = batch * heads * blocks;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long task = tasks - 1; task >= 0; task--) { /* longest (last) blocks first */
+        long blk = task % blocks, bh = task / blocks;
+        long b = bh / heads, h = bh % heads, g = h / group;
+        long i0 = blk * QB;
+        int mr = (int)(s - i0 < QB ? s - i0 : QB);
+        (wide ? attend_block : attend_block8)(
+            mr, i0, q + b * qsb + h * qsh + i0 * qss, qss, kt + (b * kv_heads + g) * per,
+            v + b * vsb + g * vsh, vss, out + b * osb + h * osh + i0 * oss, oss, d, t,
+            starts[b], pmax, scale);
+    }
     free(kt);
     return SK_OK;
 }

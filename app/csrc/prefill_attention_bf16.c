@@ -19,13 +19,12 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
-#include "pool.h"
-#include "prefill_job.h"
 #include "vec_math.h"
 
 #define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
@@ -269,52 +268,6 @@ static BF_TARGET void attend_block_bf16(int mr, long i0, const float *q, long qs
     }
 }
 
-/* The arguments' checks of prefill_attention and prefill_attention_bf16: SK_OK (also for
-   no rows or no positions: nothing to attend, the pointers not read); SK_UNSUPPORTED for a
-   head_dim the kernels do not serve (the engine checks the model's at start-up,
-   app/prefill_attention.py:prefill_attention_unavailable, and then runs every pass in
-   torch's attention; at call time it is an error); SK_BAD_SHAPE for counts out of range
-   (batch, s, pmax < 0, heads not a multiple of kv_heads, t not pmax + s, threads < 1) or a
-   NULL pointer; SK_BAD_STARTS for a row whose cached positions are not within [0, pmax]. */
-int prefill_attention_args(const float *q, const float *k, const float *v, const float *out,
-                           long batch, long heads, long kv_heads, long s, long t, long d,
-                           const long *starts, long pmax, int threads) {
-    if (batch < 0 || s < 0 || pmax < 0 || heads < 1 || kv_heads < 1 || heads % kv_heads != 0
-        || t != pmax + s || threads < 1)
-        return SK_BAD_SHAPE;
-    if (d < 16 || d % 16 != 0 || d > DMAX) return SK_UNSUPPORTED;
-    if (batch * s == 0) return SK_OK; /* nothing to attend: the pointers are not read */
-    if (q == NULL || k == NULL || v == NULL || out == NULL || starts == NULL) return SK_BAD_SHAPE;
-    for (long b = 0; b < batch; b++)
-        if (starts[b] < 0 || starts[b] > pmax) return SK_BAD_STARTS;
-    return SK_OK;
-}
-
-/* Task bg < pairs: (row, KV head) bg's keys; from pairs on: its values. */
-static void pack_task_bf16(void *ctx, long bg, int worker) {
-    const struct prefill_job *j = ctx;
-    long pairs = j->batch * j->kv_heads, x = bg % pairs, b = x / j->kv_heads;
-    long g = x % j->kv_heads;
-    (void)worker;
-    if (bg < pairs)
-        pack_keys(j->k + b * j->ksb + g * j->ksh, j->kss, j->t, j->starts[b], j->pmax, j->tp,
-                  j->d, (uint16_t *)j->kt + x * j->per);
-    else
-        pack_values(j->v + b * j->vsb + g * j->vsh, j->vss, j->t, j->starts[b], j->pmax,
-                    j->tp, j->d, (uint16_t *)j->vt + x * j->per);
-}
-
-static void attend_task_bf16(void *ctx, long task, int worker) {
-    const struct prefill_job *j = ctx;
-    struct prefill_block pb = prefill_block_of(j, task, QB);
-    long kv = (pb.b * j->kv_heads + pb.g) * j->per;
-    (void)worker;
-    attend_block_bf16(pb.mr, pb.i0, j->q + pb.b * j->qsb + pb.h * j->qsh + pb.i0 * j->qss,
-                      j->qss, (uint16_t *)j->kt + kv, (uint16_t *)j->vt + kv,
-                      j->out + pb.b * j->osb + pb.h * j->osh + pb.i0 * j->oss, j->oss, j->d,
-                      j->t, j->starts[pb.b], j->pmax, j->scale);
-}
-
 /* prefill_attention's arguments and statuses; SK_NO_ISA where the CPU lacks AVX512-BF16. */
 int prefill_attention_bf16(const float *q, long qsb, long qsh, long qss,
                            const float *k, long ksb, long ksh, long kss,
@@ -327,17 +280,33 @@ int prefill_attention_bf16(const float *q, long qsb, long qsh, long qss,
     if (status != SK_OK) return status;
     if (!__builtin_cpu_supports("avx512bf16")) return SK_NO_ISA;
     if (batch * s == 0) return SK_OK;
-    long tp = (t + KP - 1) / KP;
+    long group = heads / kv_heads, tp = (t + KP - 1) / KP;
     tp = (tp + PS - 1) / PS * PS; /* whole steps: a step's panels all exist (zero past t) */
     long per = tp * KP * d; /* bf16 elements per (row, KV head), keys and values alike */
-    long pairs = batch * kv_heads, blocks = (s + QB - 1) / QB;
+    long pairs = batch * kv_heads;
     uint16_t *kt = aligned_alloc(64, (size_t)(2 * pairs * per) * sizeof(uint16_t) + 64);
     if (kt == NULL) return SK_NO_MEMORY;
-    struct prefill_job job = {q, k, v, out, qsb, qsh, qss, ksb, ksh, kss, vsb, vsh, vss, osb,
-                              osh, oss, batch, heads, kv_heads, s, t, d, pmax, per, tp, blocks,
-                              batch * heads * blocks, starts, scale, kt, kt + pairs * per, 1};
-    sk_parallel(2 * pairs, pack_task_bf16, &job, threads);
-    sk_parallel(job.tasks, attend_task_bf16, &job, threads);
+    uint16_t *vt = kt + pairs * per;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long bg = 0; bg < 2 * pairs; bg++) {
+        long x = bg % pairs, b = x / kv_heads, g = x % kv_heads;
+        if (bg < pairs)
+            pack_keys(k + b * ksb + g * ksh, kss, t, starts[b], pmax, tp, d, kt + x * per);
+        else
+            pack_values(v + b * vsb + g * vsh, vss, t, starts[b], pmax, tp, d, vt + x * per);
+    }
+    long blocks = (s + QB - 1) / QB, tasks = batch * heads * blocks;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long task = tasks - 1; task >= 0; task--) { /* longest (last) blocks first */
+        long blk = task % blocks, bh = task / blocks;
+        long b = bh / heads, h = bh % heads, g = h / group;
+        long i0 = blk * QB;
+        int mr = (int)(s - i0 < QB ? s - i0 : QB);
+        attend_block_bf16(mr, i0, q + b * qsb + h * qsh + i0 * qss, qss,
+                          kt + (b * kv_heads + g) * per, vt + (b * kv_heads + g) * per,
+                          out + b * osb + h * osh + i0 * oss, oss, d, t, starts[b], pmax,
+                          scale);
+    }
     free(kt);
     return SK_OK;
 }

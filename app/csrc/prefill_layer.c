@@ -17,58 +17,16 @@
  *
  * The arithmetic is decode_step.c's (layer_ops.h), row by row, so a row's values do not
  * depend on the other rows of the pass (the batch invariance of the products holds for the
- * whole layer). The elementwise parts share the rows out over the kernels' team (pool.h,
+ * whole layer). The elementwise parts share the rows out over an OpenMP team (torch's pool,
  * as the products do) once the pass has enough rows to pay for waking it.
  */
+#include <omp.h>
 #include <stddef.h>
 
 #include "kernels.h"
 #include "layer_ops.h"
-#include "pool.h"
 
 #define PARALLEL_ROWS 32 /* fewer rows: the elementwise parts run on the calling thread */
-#define ROW_TASKS 4      /* tasks a thread for the elementwise parts */
-
-enum row_op { NORM, ROPE, ADD_NORM, SILU_MUL, ADD };
-
-/* One elementwise part over rows: its operands (those `op` reads) and the rows a task. */
-struct rows_job {
-    enum row_op op;
-    float *a, *b, *c;
-    const float *w, *cos, *sin;
-    float eps;
-    long m, width, inter, heads, kv_heads, hd, nq, rows;
-};
-
-static void rows_task(void *ctx, long task, int worker) {
-    const struct rows_job *j = ctx;
-    long i1 = (task + 1) * j->rows < j->m ? (task + 1) * j->rows : j->m, hd = j->hd;
-    (void)worker;
-    for (long i = task * j->rows; i < i1; i++) {
-        switch (j->op) {
-        case NORM: rms_norm(j->a + i * j->width, 1, j->width, j->w, j->eps, j->b + i * j->width);
-            break;
-        case ROPE:
-            rope(j->a + i * j->width, j->heads, hd, j->cos + i * hd, j->sin + i * hd);
-            rope(j->a + i * j->width + j->nq, j->kv_heads, hd, j->cos + i * hd, j->sin + i * hd);
-            break;
-        case ADD_NORM: /* the row's sum is read: b is free */
-            add_into(j->a + i * j->width, j->b + i * j->width, j->width);
-            rms_norm(j->a + i * j->width, 1, j->width, j->w, j->eps, j->b + i * j->width);
-            break;
-        case SILU_MUL: silu_mul(j->a + i * 2 * j->inter, 1, j->inter, j->b + i * j->inter);
-            break;
-        case ADD: add_into(j->a + i * j->width, j->b + i * j->width, j->width); break;
-        }
-    }
-}
-
-/* `job`'s part over its m rows: on `team` threads, ROW_TASKS tasks each. */
-static void rows_run(struct rows_job *job, int team) {
-    long tasks = team > 1 ? (long)team * ROW_TASKS : 1;
-    job->rows = (job->m + tasks - 1) / tasks;
-    sk_parallel((job->m + job->rows - 1) / job->rows, rows_task, job, team);
-}
 
 int layer_qkv(const float *hidden, long m, long hsize, const float *norm_w, float eps,
               const void *qkv_panels, int wtype, const float *qkv_scale, const float *qkv_bias,
@@ -80,16 +38,17 @@ int layer_qkv(const float *hidden, long m, long hsize, const float *norm_w, floa
         return SK_BAD_SHAPE;
     long nq = heads * hd, nkv = kv_heads * hd, nqkv = nq + 2 * nkv;
     int team = m >= PARALLEL_ROWS ? threads : 1;
-    struct rows_job norm = {.op = NORM, .a = (float *)hidden, .b = xn, .w = norm_w, .eps = eps,
-                            .m = m, .width = hsize};
-    rows_run(&norm, team);
+#pragma omp parallel for num_threads(team) schedule(static)
+    for (long i = 0; i < m; i++) rms_norm(hidden + i * hsize, 1, hsize, norm_w, eps, xn + i * hsize);
     int rc = panel_linear_w(xn, m, hsize, qkv_panels, wtype, qkv_scale, nqkv, qkv_bias, qkv,
                             threads);
     if (rc != SK_OK) return rc;
-    struct rows_job rot = {.op = ROPE, .a = qkv, .cos = cos, .sin = sin, .m = m,
-                           .width = nqkv, .heads = heads, .kv_heads = kv_heads, .hd = hd,
-                           .nq = nq};
-    rows_run(&rot, team);
+#pragma omp parallel for num_threads(team) schedule(static)
+    for (long i = 0; i < m; i++) {
+        float *row = qkv + i * nqkv;
+        rope(row, heads, hd, cos + i * hd, sin + i * hd);
+        rope(row + nq, kv_heads, hd, cos + i * hd, sin + i * hd);
+    }
     return SK_OK;
 }
 
@@ -107,17 +66,20 @@ int layer_mlp(float *hidden, long m, long hsize, const float *att, long nq, cons
     int team = m >= PARALLEL_ROWS ? threads : 1;
     int rc = panel_linear_w(att, m, nq, o, wtype, o_scale, hsize, o_bias, tmp, threads);
     if (rc != SK_OK) return rc;
-    struct rows_job add_norm = {.op = ADD_NORM, .a = hidden, .b = tmp, .w = post_norm,
-                                .eps = eps, .m = m, .width = hsize};
-    rows_run(&add_norm, team);
+#pragma omp parallel for num_threads(team) schedule(static)
+    for (long i = 0; i < m; i++) {
+        float *h = hidden + i * hsize, *t = tmp + i * hsize;
+        add_into(h, t, hsize);
+        rms_norm(h, 1, hsize, post_norm, eps, t); /* the row's sum is read: t is free */
+    }
     rc = panel_linear_w(tmp, m, hsize, gate_up, wtype, gate_up_scale, 2 * inter, gate_up_bias,
                         wide, threads);
     if (rc != SK_OK) return rc;
-    struct rows_job gate = {.op = SILU_MUL, .a = wide, .b = act, .m = m, .inter = inter};
-    rows_run(&gate, team);
+#pragma omp parallel for num_threads(team) schedule(static)
+    for (long i = 0; i < m; i++) silu_mul(wide + i * 2 * inter, 1, inter, act + i * inter);
     rc = panel_linear_w(act, m, inter, down, wtype, down_scale, hsize, down_bias, tmp, threads);
     if (rc != SK_OK) return rc;
-    struct rows_job add = {.op = ADD, .a = hidden, .b = tmp, .m = m, .width = hsize};
-    rows_run(&add, team);
+#pragma omp parallel for num_threads(team) schedule(static)
+    for (long i = 0; i < m; i++) add_into(hidden + i * hsize, tmp + i * hsize, hsize);
     return SK_OK;
 }
