@@ -17,8 +17,17 @@
  *
  * The arithmetic is decode_step.c's (layer_ops.h), row by row, so a row's values do not
  * depend on the other rows of the pass (the batch invariance of the products holds for the
- * whole layer). The elementwise parts share the rows out over an OpenMP team (torch's pool,
- * as the products do) once the pass has enough rows to pay for waking it.
+ * whole layer). Threads (an OpenMP team: torch's pool, as the products use):
+ *   - from ROW_SPLIT rows on, each call is ONE parallel region over blocks of rows: a
+ *     thread takes a block and runs the whole call on it (norm, its own one-thread
+ *     products, rotary embedding or SiLU and the sums), blocks taken as threads come free.
+ *     Two regions a layer instead of eight: every region's start and end is a wait for
+ *     the slowest thread, and a wake-up of a sleeping one (libgomp sleeps its workers
+ *     almost at once when a process has more pool threads than cores, as a replica has).
+ *     Each thread reads the layer's weights itself; from ROW_SPLIT rows on a block reuses
+ *     each weight over enough rows that the products stay bound by arithmetic.
+ *   - below it, the products share their panels out over the team (panel_gemm.c), and the
+ *     elementwise parts their rows from PARALLEL_ROWS rows on; fewer on the calling thread.
  */
 #include <omp.h>
 #include <stddef.h>
@@ -27,6 +36,62 @@
 #include "layer_ops.h"
 
 #define PARALLEL_ROWS 32 /* fewer rows: the elementwise parts run on the calling thread */
+#define ROW_SPLIT 64      /* from here on: one region a call, over blocks of rows */
+
+/* Blocks of rows for a row-split call: two a thread once each has 128 rows or more (so a
+   thread whose core is shared leaves the other at most half a share to wait for), else one
+   a thread. */
+static long row_blocks(long m, int threads) { return m >= 128L * threads ? 2L * threads : threads; }
+
+/* Each block [r0, r1) of m rows through fn(ctx, r0, r1) on the team, blocks taken as threads
+   come free; a failing block's status (SK_OK when none fails). */
+typedef int (*rows_fn)(const void *ctx, long r0, long r1);
+static int over_row_blocks(rows_fn fn, const void *ctx, long m, int threads) {
+    long blocks = row_blocks(m, threads), per = (m + blocks - 1) / blocks;
+    int status = SK_OK;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long b = 0; b < blocks; b++) {
+        long r0 = b * per, r1 = r0 + per < m ? r0 + per : m;
+        int rc = r0 < r1 ? fn(ctx, r0, r1) : SK_OK;
+        if (rc != SK_OK) {
+#pragma omp atomic write
+            status = rc;
+        }
+    }
+    return status;
+}
+
+struct qkv_job {
+    const float *hidden, *norm_w, *scale, *bias, *cos, *sin;
+    const void *panels;
+    float *xn, *qkv;
+    long hsize, heads, kv_heads, hd;
+    float eps;
+    int wtype;
+};
+
+/* layer_qkv on rows [r0, r1): products on `threads` threads, elementwise parts on `team`. */
+static int qkv_rows(const struct qkv_job *j, long r0, long r1, int threads, int team) {
+    long m = r1 - r0, hs = j->hsize, hd = j->hd, nq = j->heads * hd;
+    long nqkv = nq + 2 * j->kv_heads * hd;
+    const float *hidden = j->hidden + r0 * hs;
+    float *xn = j->xn + r0 * hs, *qkv = j->qkv + r0 * nqkv;
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+    for (long i = 0; i < m; i++) rms_norm(hidden + i * hs, 1, hs, j->norm_w, j->eps, xn + i * hs);
+    int rc = panel_linear_w(xn, m, hs, j->panels, j->wtype, j->scale, nqkv, j->bias, qkv,
+                            threads);
+    if (rc != SK_OK) return rc;
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+    for (long i = 0; i < m; i++) {
+        float *row = qkv + i * nqkv;
+        const float *c = j->cos + (r0 + i) * hd, *s = j->sin + (r0 + i) * hd;
+        rope(row, j->heads, hd, c, s);
+        rope(row + nq, j->kv_heads, hd, c, s);
+    }
+    return SK_OK;
+}
+
+static int qkv_block(const void *ctx, long r0, long r1) { return qkv_rows(ctx, r0, r1, 1, 1); }
 
 int layer_qkv(const float *hidden, long m, long hsize, const float *norm_w, float eps,
               const void *qkv_panels, int wtype, const float *qkv_scale, const float *qkv_bias,
@@ -36,21 +101,50 @@ int layer_qkv(const float *hidden, long m, long hsize, const float *norm_w, floa
         || hidden == NULL || norm_w == NULL || qkv_panels == NULL || cos == NULL
         || sin == NULL || xn == NULL || qkv == NULL)
         return SK_BAD_SHAPE;
-    long nq = heads * hd, nkv = kv_heads * hd, nqkv = nq + 2 * nkv;
-    int team = m >= PARALLEL_ROWS ? threads : 1;
-#pragma omp parallel for num_threads(team) schedule(static)
-    for (long i = 0; i < m; i++) rms_norm(hidden + i * hsize, 1, hsize, norm_w, eps, xn + i * hsize);
-    int rc = panel_linear_w(xn, m, hsize, qkv_panels, wtype, qkv_scale, nqkv, qkv_bias, qkv,
-                            threads);
+    struct qkv_job j = {hidden, norm_w, qkv_scale, qkv_bias, cos, sin, qkv_panels, xn, qkv,
+                        hsize, heads, kv_heads, hd, eps, wtype};
+    if (m >= ROW_SPLIT && threads > 1) return over_row_blocks(qkv_block, &j, m, threads);
+    return qkv_rows(&j, 0, m, threads, m >= PARALLEL_ROWS ? threads : 1);
+}
+
+struct mlp_job {
+    float *hidden, *tmp, *wide, *act;
+    const float *att, *o_scale, *o_bias, *post_norm, *gu_scale, *gu_bias, *down_scale,
+        *down_bias;
+    const void *o, *gate_up, *down;
+    long hsize, nq, inter;
+    float eps;
+    int wtype;
+};
+
+/* layer_mlp on rows [r0, r1): products on `threads` threads, elementwise parts on `team`. */
+static int mlp_rows(const struct mlp_job *j, long r0, long r1, int threads, int team) {
+    long m = r1 - r0, hs = j->hsize, inter = j->inter;
+    float *hidden = j->hidden + r0 * hs, *tmp = j->tmp + r0 * hs;
+    float *wide = j->wide + r0 * 2 * inter, *act = j->act + r0 * inter;
+    int rc = panel_linear_w(j->att + r0 * j->nq, m, j->nq, j->o, j->wtype, j->o_scale, hs,
+                            j->o_bias, tmp, threads);
     if (rc != SK_OK) return rc;
-#pragma omp parallel for num_threads(team) schedule(static)
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
     for (long i = 0; i < m; i++) {
-        float *row = qkv + i * nqkv;
-        rope(row, heads, hd, cos + i * hd, sin + i * hd);
-        rope(row + nq, kv_heads, hd, cos + i * hd, sin + i * hd);
+        float *h = hidden + i * hs, *t = tmp + i * hs;
+        add_into(h, t, hs);
+        rms_norm(h, 1, hs, j->post_norm, j->eps, t); /* the row's sum is read: t is free */
     }
+    rc = panel_linear_w(tmp, m, hs, j->gate_up, j->wtype, j->gu_scale, 2 * inter, j->gu_bias,
+                        wide, threads);
+    if (rc != SK_OK) return rc;
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+    for (long i = 0; i < m; i++) silu_mul(wide + i * 2 * inter, 1, inter, act + i * inter);
+    rc = panel_linear_w(act, m, inter, j->down, j->wtype, j->down_scale, hs, j->down_bias,
+                        tmp, threads);
+    if (rc != SK_OK) return rc;
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+    for (long i = 0; i < m; i++) add_into(hidden + i * hs, tmp + i * hs, hs);
     return SK_OK;
 }
+
+static int mlp_block(const void *ctx, long r0, long r1) { return mlp_rows(ctx, r0, r1, 1, 1); }
 
 int layer_mlp(float *hidden, long m, long hsize, const float *att, long nq, const void *o,
               const float *o_scale, const float *o_bias, const float *post_norm, float eps,
@@ -61,25 +155,10 @@ int layer_mlp(float *hidden, long m, long hsize, const float *att, long nq, cons
         || att == NULL || o == NULL || post_norm == NULL || gate_up == NULL || down == NULL
         || scratch == NULL)
         return SK_BAD_SHAPE;
-    /* scratch: m * (hsize + 3 * inter) floats */
-    float *tmp = scratch, *wide = tmp + m * hsize, *act = wide + m * 2 * inter;
-    int team = m >= PARALLEL_ROWS ? threads : 1;
-    int rc = panel_linear_w(att, m, nq, o, wtype, o_scale, hsize, o_bias, tmp, threads);
-    if (rc != SK_OK) return rc;
-#pragma omp parallel for num_threads(team) schedule(static)
-    for (long i = 0; i < m; i++) {
-        float *h = hidden + i * hsize, *t = tmp + i * hsize;
-        add_into(h, t, hsize);
-        rms_norm(h, 1, hsize, post_norm, eps, t); /* the row's sum is read: t is free */
-    }
-    rc = panel_linear_w(tmp, m, hsize, gate_up, wtype, gate_up_scale, 2 * inter, gate_up_bias,
-                        wide, threads);
-    if (rc != SK_OK) return rc;
-#pragma omp parallel for num_threads(team) schedule(static)
-    for (long i = 0; i < m; i++) silu_mul(wide + i * 2 * inter, 1, inter, act + i * inter);
-    rc = panel_linear_w(act, m, inter, down, wtype, down_scale, hsize, down_bias, tmp, threads);
-    if (rc != SK_OK) return rc;
-#pragma omp parallel for num_threads(team) schedule(static)
-    for (long i = 0; i < m; i++) add_into(hidden + i * hsize, tmp + i * hsize, hsize);
-    return SK_OK;
+    /* scratch: m * (hsize + 3 * inter) floats: tmp [m, hsize], wide [m, 2 inter], act */
+    struct mlp_job j = {hidden, scratch, scratch + m * hsize, scratch + m * (hsize + 2 * inter),
+                        att, o_scale, o_bias, post_norm, gate_up_scale, gate_up_bias,
+                        down_scale, down_bias, o, gate_up, down, hsize, nq, inter, eps, wtype};
+    if (m >= ROW_SPLIT && threads > 1) return over_row_blocks(mlp_block, &j, m, threads);
+    return mlp_rows(&j, 0, m, threads, m >= PARALLEL_ROWS ? threads : 1);
 }

@@ -78,11 +78,19 @@ def test_fused_prefill_reads_the_same_panels_for_other_weight_kinds(weights):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_a_rows_values_do_not_depend_on_the_rest_of_the_pass():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_values_do_not_depend_on_the_rest_of_the_pass(threads):
+    """Alone (41 rows: the products share out their panels) and in a pass of 255 rows (on
+    two threads each call runs over blocks of rows, every thread its own products)."""
     runner = _runner(True)
     prompt = list(range(200, 241))
-    alone, alone_kv = runner.forward_prefill([prompt])
-    batch, batch_kv = runner.forward_prefill([[7] * 64, prompt, list(range(5, 90))])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone, alone_kv = runner.forward_prefill([prompt])
+        batch, batch_kv = runner.forward_prefill([[7] * 64, prompt, list(range(5, 90))])
+    finally:
+        torch.set_num_threads(before)
     assert torch.equal(alone[0], batch[1])
     assert torch.equal(alone_kv[0], batch_kv[1])
 
@@ -135,3 +143,25 @@ def test_the_layer_entry_points_refuse_bad_shapes():
     lib = cpu_kernels.load_kernel()
     assert lib.layer_mlp(None, 4, 64, None, 64, None, None, None, None, 1e-5, None, None, None,
                          128, None, None, None, 0, None, 1) == -3  # SK_BAD_SHAPE
+
+
+@pytest.mark.parametrize("rows", [8, 100])
+def test_a_refused_product_inside_a_layer_is_the_layers_status(rows):
+    """An unknown kind of weight, refused by a product: on the calling thread (8 rows) and
+    inside the blocks of rows two threads run (100 rows), the call returns the refusal, and
+    the hidden rows stay as they were."""
+    lib = cpu_kernels.load_kernel()
+    h, heads, hd, inter = 32, 2, 16, 64
+    hidden, norm = torch.ones(rows, h), torch.ones(h)
+    cos, sin = torch.ones(rows, hd), torch.zeros(rows, hd)
+    panels = torch.zeros(4096)
+    xn, qkv = torch.empty(rows, h), torch.empty(rows, 3 * heads * hd)
+    assert lib.layer_qkv(hidden.data_ptr(), rows, h, norm.data_ptr(), 1e-5, panels.data_ptr(),
+                         99, None, None, heads, heads, hd, cos.data_ptr(), sin.data_ptr(),
+                         xn.data_ptr(), qkv.data_ptr(), 2) == -4  # SK_BAD_KIND
+    att, scratch = torch.zeros(rows, h), torch.empty(rows * (h + 3 * inter))
+    assert lib.layer_mlp(hidden.data_ptr(), rows, h, att.data_ptr(), h, panels.data_ptr(),
+                         None, None, norm.data_ptr(), 1e-5, panels.data_ptr(), None, None,
+                         inter, panels.data_ptr(), None, None, 99, scratch.data_ptr(),
+                         2) == -4
+    assert torch.equal(hidden, torch.ones(rows, h))  # the product failed before any sum
