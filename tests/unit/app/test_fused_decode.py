@@ -13,6 +13,7 @@ from app.engine_core import EngineCore
 from app.model_runner import ModelRunner
 from app.packed_linear import pack_linears
 from tests.conftest import engine_greedy, hf_greedy, make_tiny_model
+from tests.unit.app.test_weight_kinds import KINDS  # with the CPU's own kinds where it has them
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.cpu_unsupported() is not None or cpu_kernels._compiler() is None,
@@ -67,6 +68,35 @@ def test_the_fused_step_gives_the_logits_and_kv_of_the_models_modules(threads, b
         assert torch.equal(a.argmax(-1), b.argmax(-1))
     for a, b in zip(got_kv, want_kv, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("weights", ["float32", *KINDS])
+def test_a_steps_values_are_the_same_on_any_number_of_threads(weights):
+    """The step is one parallel region: each thread computes its share of every product's
+    panels and of the rows. Every logit and every key and value written is bit for bit the
+    one thread's, for a batch of 4 on 2 and 3 threads and a lone row on 3 (threads with no
+    rows of their own)."""
+    def run(threads: int, prompts: list[list[int]]):
+        model = make_tiny_model(seed=3)
+        pack_linears(model, layout="panels", weights=weights)
+        runner = ModelRunner(model, EngineConfig())
+        assert runner.fused is not None
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return _steps(runner, prompts, 4)
+        finally:
+            torch.set_num_threads(before)
+
+    batch = [[5, 9, 33, 100, 7], list(range(40, 66)), [8], [300, 41, 8, 2, 2, 17, 90]]
+    for prompts, counts in ((batch, (2, 3)), ([[12, 13, 14]], (3,))):
+        want, want_kv = run(1, prompts)
+        for threads in counts:
+            got, got_kv = run(threads, prompts)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b), (weights, threads)
+            for a, b in zip(got_kv, want_kv, strict=True):
+                assert torch.equal(a, b), (weights, threads)
 
 
 async def test_the_engine_decodes_through_the_fused_step_by_default_and_gives_generates_tokens():
