@@ -72,10 +72,9 @@ def test_the_fused_step_gives_the_logits_and_kv_of_the_models_modules(threads, b
 
 @pytest.mark.parametrize("weights", ["float32", *KINDS])
 def test_a_steps_values_are_the_same_on_any_number_of_threads(weights):
-    """The step is one parallel region: each thread computes its share of every product's
-    panels and of the rows. Every logit and every key and value written is bit for bit the
-    one thread's, for a batch of 4 on 2 and 3 threads and a lone row on 3 (threads with no
-    rows of their own)."""
+    """The step's products share their panels out over the threads: every logit and every
+    key and value written is bit for bit the one thread's, for a batch of 4 on 2 and 3
+    threads and a lone row on 3."""
     def run(threads: int, prompts: list[list[int]]):
         model = make_tiny_model(seed=3)
         pack_linears(model, layout="panels", weights=weights)
