@@ -21,7 +21,7 @@
  *   - from ROW_SPLIT rows on, each call is ONE parallel region over blocks of rows: a
  *     thread takes a block and runs the whole call on it (norm, its own one-thread
  *     products, rotary embedding or SiLU and the sums), blocks taken as threads come free.
- *     Two regions a layer instead of eight: every region's start and end is a wait for
+ *     Two regions a layer instead of nine: every region's start and end is a wait for
  *     the slowest thread, and a wake-up of a sleeping one (libgomp sleeps its workers
  *     almost at once when a process has more pool threads than cores, as a replica has).
  *     Each thread reads the layer's weights itself; from ROW_SPLIT rows on a block reuses
@@ -41,7 +41,9 @@
 /* Blocks of rows for a row-split call: two a thread once each has 128 rows or more (so a
    thread whose core is shared leaves the other at most half a share to wait for), else one
    a thread. */
-static long row_blocks(long m, int threads) { return m >= 128L * threads ? 2L * threads : threads; }
+static long row_blocks(long m, int threads) {
+    return m >= 128L * threads ? 2L * threads : threads;
+}
 
 /* Each block [r0, r1) of m rows through fn(ctx, r0, r1) on the team, blocks taken as threads
    come free; a failing block's status (SK_OK when none fails). */
