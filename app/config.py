@@ -170,6 +170,14 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads; None: leave torch's default. In a serve config it is set per
     phase (prefill/decode/colocated num_threads), not under engine."""
+    nice: int | None = None
+    """The engine thread's CPU priority (Linux nice, -20..19; the OpenMP workers it starts
+    inherit it); None: the process's. A decode step on a core shared with the serving stack
+    is preempted by its threads' wake-ups hundreds of times a second; a lower nice keeps the
+    core for the step (BENCHMARKS.md, "CPU priority"). Below the process's own it needs
+    CAP_SYS_NICE (or RLIMIT_NICE): where the OS refuses, the replica logs it and keeps its
+    priority (app.engine_core.set_thread_nice). In a serve config it is set per phase
+    (prefill/decode/colocated nice), not under engine."""
     prefill_max_threads: int | None = None
     """A prefill pass may take up to this many threads while the rest of the machine leaves
     cores idle (app.idle_cores; for phases that share one machine's cores); None:
@@ -262,6 +270,8 @@ class EngineConfig:
                 )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.nice is not None and not -20 <= self.nice <= 19:
+            raise ValueError(f"nice must be in -20..19, got {self.nice}")
         if self.prefill_max_threads is not None and self.prefill_max_threads < 1:
             raise ValueError(f"prefill_max_threads must be >= 1, got {self.prefill_max_threads}")
         for name in ("max_batch_size", "max_kv_tokens", "max_waiting", "prefill_token_budget",

@@ -43,15 +43,42 @@ def apply_thread_setting(num_threads: int | None) -> None:
 LANE_NICE = 19  # an extra lane's thread: the lowest CPU priority
 
 
-def _extra_lane_init() -> None:
-    """An extra lane's thread: one torch thread (no OpenMP team of its own), and the
-    lowest CPU priority, so its pass takes the cycles others leave (raising one's own
-    niceness needs no privilege; where the OS refuses, the thread keeps its priority)."""
-    torch.set_num_threads(1)
+def thread_nice() -> int | None:
+    """The calling thread's nice, or None where the OS has no per-thread priority."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICE)
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return None
+
+
+def set_thread_nice(nice: int) -> int | None:
+    """Give the calling thread (and the threads it starts from now on) CPU priority ``nice``;
+    returns the nice it has after. Raising one's niceness needs no privilege; lowering it
+    below the process's needs CAP_SYS_NICE (or RLIMIT_NICE), and where the OS refuses, the
+    thread keeps its priority and the log says why."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except PermissionError:
+        logger.warning("thread %s: nice %d refused by the OS (below the process's needs "
+                       "CAP_SYS_NICE or RLIMIT_NICE); it keeps nice %s",
+                       threading.current_thread().name, nice, thread_nice())
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         pass
+    return thread_nice()
+
+
+def _engine_thread_init(nice: int | None) -> None:
+    """The engine thread: its CPU priority (``EngineConfig.nice``) before it loads the model,
+    so that the OpenMP workers it starts inherit it."""
+    if nice is not None:
+        set_thread_nice(nice)
+
+
+def _extra_lane_init() -> None:
+    """An extra lane's thread: one torch thread (no OpenMP team of its own), and the
+    lowest CPU priority, so its pass takes the cycles others leave."""
+    torch.set_num_threads(1)
+    set_thread_nice(LANE_NICE)
 
 
 class EngineCore:
@@ -69,8 +96,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
         apply_thread_setting(config.num_threads)
         self.config = config
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine",
+            initializer=functools.partial(_engine_thread_init, config.nice))
         self._lanes = [self.thread]
+        # the engine thread's nice as the OS left it (EngineConfig.nice; None: not Linux)
+        self.nice = self.thread.submit(thread_nice).result()
         if model is None:
             self.model = self.thread.submit(load_model, config).result()
             self.fingerprint = self.thread.submit(

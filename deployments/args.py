@@ -3,10 +3,10 @@
 Every setting has one home, and this module only adds what has none elsewhere:
 
 * the engine's settings are ``app.config.EngineConfig`` itself (``engine:``), shared by every
-  phase; only a phase's torch threads and GPUs are set per phase;
+  phase; only a phase's torch threads, CPU priority and GPUs are set per phase;
 * a phase's Serve options are a ``deployment_config`` dict checked against Serve's own
   deployment schema (as Ray Serve LLM does), plus this project's placement fields (resource
-  tag, accelerator type, threads);
+  tag, accelerator type, threads, nice);
 * a phase's scaling parameters are its policy's own parameter model
   (``deployments.autoscaling.PrefillParams`` / ``DecodeParams``);
 * ``colocated:`` set selects the colocated baseline (one deployment for both phases).
@@ -99,6 +99,9 @@ class PhaseArgs(_Deployment):
     num_threads: int | None = Field(
         1, ge=1, description="torch intra-op threads per replica; None leaves torch's "
         "default.")
+    nice: int | None = Field(
+        None, ge=-20, le=19, description="CPU priority (Linux nice) of each replica's engine "
+        "thread and its OpenMP workers (engine.nice); None: the process's.")
     latency_window_s: float = Field(
         10.0, gt=0, description="Replicas report the mean latency of their requests or "
         "steps of the last this-many seconds (the slo scaling mode reads it).")
@@ -221,8 +224,8 @@ class AppArgs(BaseModel):
 
     engine: EngineConfig = Field(
         default_factory=EngineConfig, description="The engine every phase runs "
-        "(app.config.EngineConfig: its fields are the `engine` table below). Threads and "
-        "GPUs are set per phase.")
+        "(app.config.EngineConfig: its fields are the `engine` table below). Threads, "
+        "nice and GPUs are set per phase.")
     served_model_name: str | None = Field(
         None, description="Name clients put in 'model'; default: engine.model.")
     prefill: PrefillPhaseArgs = Field(default_factory=PrefillPhaseArgs,
@@ -290,11 +293,11 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _phases_valid(self):
-        for name in ("num_threads", "num_gpus"):
-            default = EngineConfig.__dataclass_fields__[name].default
-            if getattr(self.engine, name) != default:
+        for name in ("num_threads", "nice", "num_gpus"):
+            if getattr(self.engine, name) != EngineConfig.__dataclass_fields__[name].default:
                 raise ValueError(f"engine.{name} is set per phase (prefill/decode/colocated: "
-                                 "num_threads, deployment_config.ray_actor_options.num_gpus)")
+                                 "num_threads, nice, deployment_config.ray_actor_options."
+                                 "num_gpus)")
         # every phase builds its engine from these: fail at deploy time, not in a replica
         for phase in self.phases:
             self.engine_config(phase)
@@ -337,7 +340,7 @@ class AppArgs(BaseModel):
                                  "(Ray gives a replica without GPUs none to see)")
             spread = on_gpu and args.num_gpus > 1
             return dataclasses.replace(
-                eng, num_threads=args.num_threads,
+                eng, num_threads=args.num_threads, nice=args.nice,
                 num_gpus=int(args.num_gpus) if spread else 1,
                 device_map=(eng.device_map or "auto") if spread else None)
         except ValueError as exc:

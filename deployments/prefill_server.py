@@ -68,6 +68,7 @@ class PrefillServer:
             "replica_id": current_replica_id(),
             "node_id": self.node_id,
             "fingerprint": self.core.fingerprint,
+            "engine_nice": self.core.nice,
             "waiting_tokens": b.waiting_tokens,
             "waiting_requests": b.waiting_requests,
             "completed": b.completed,

@@ -192,6 +192,7 @@ class DecodeReplica:
             "node_id": self.node_id,
             "replica_id": self.replica_id,
             "fingerprint": self.core.fingerprint,
+            "engine_nice": self.core.nice,
             "started": self.started,
             "active": self.loop.num_active,
             "running": st.running,

@@ -74,7 +74,8 @@ def test_local_config_one_thread_one_replica_per_phase():
 
 
 def test_engine_settings_have_one_home():
-    """Every engine default is EngineConfig's own; a phase changes only threads and GPUs."""
+    """Every engine default is EngineConfig's own; a phase changes only threads, nice and
+    GPUs."""
     args = AppArgs.model_validate({"engine": {"max_batch_size": 4}})
     assert args.engine == dataclasses.replace(EngineConfig(), max_batch_size=4)
     prefill = args.engine_config("prefill")
@@ -84,6 +85,16 @@ def test_engine_settings_have_one_home():
         AppArgs.model_validate({"engine": {"num_threads": 2}})
     with pytest.raises(ValidationError, match="set per phase"):
         AppArgs.model_validate({"engine": {"num_gpus": 2}})
+    with pytest.raises(ValidationError, match="set per phase"):
+        AppArgs.model_validate({"engine": {"nice": -5}})
+
+
+def test_a_phases_nice_reaches_its_engine_only():
+    args = AppArgs.model_validate({"decode": {"nice": -10}})
+    assert args.engine_config("decode").nice == -10
+    assert args.engine_config("prefill").nice is None
+    with pytest.raises(ValidationError, match="nice"):
+        AppArgs.model_validate({"decode": {"nice": -21}})
 
 
 def test_phase_options_are_serve_options_over_the_defaults():
