@@ -68,6 +68,9 @@ def test_local_config_one_thread_one_replica_per_phase():
         opts = args.deployment_options(phase)
         assert opts["num_replicas"] == 1 and opts["ray_actor_options"]["num_cpus"] == 1
         assert args.engine_config(phase).num_threads == 1
+    # the decode step's thread above the serving stack's; prefill at the process's priority
+    assert args.engine_config("decode").nice == -10
+    assert args.engine_config("prefill").nice is None
     assert args.model_name == "smollm2-135m-instruct"
     config = yaml.safe_load((CONFIGS / "local.yaml").read_text())
     assert config["http_options"]["host"] == "127.0.0.1"
@@ -208,11 +211,15 @@ def test_local_colocated_differs_from_local_only_in_the_split():
     # the split's passes take two chats at a time (prefill_batch_tokens; the colocated app
     # served 30% fewer chat tokens with 64, BENCHMARKS.md section 7, so it keeps passes
     # up to the chunk), and the split's prefill replica runs two passes at once
-    # (prefill_lanes; the colocated engine's chunks ride in its decode steps instead)
+    # (prefill_lanes; the colocated engine's chunks ride in its decode steps instead); the
+    # split's decode thread runs at nice -10 (the colocated app's at its own: a higher
+    # priority for both of its threads served W-long no faster and answered first later)
     assert engine_split.prefill_batch_tokens == 128 and engine_colo.prefill_batch_tokens is None
     assert engine_split.prefill_lanes == 2 and engine_colo.prefill_lanes == 1
+    assert engine_split.nice == -10 and engine_colo.nice is None
     assert dataclasses.replace(engine_colo, num_threads=1, prefill_max_threads=2,
-                               prefill_batch_tokens=128, prefill_lanes=2) == engine_split
+                               prefill_batch_tokens=128, prefill_lanes=2,
+                               nice=-10) == engine_split
     assert split.engine_config("prefill").prefill_max_threads == 2
     assert colo.prefill_batch_wait_s == split.prefill_batch_wait_s
     # same total cores: one replica with 2 CPUs / 2 threads vs prefill 1 + decode 1
