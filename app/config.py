@@ -174,10 +174,10 @@ class EngineConfig:
     """The engine thread's CPU priority (Linux nice, -20..19; the OpenMP workers it starts
     inherit it); None: the process's. A decode step on a core shared with the serving stack
     is preempted by its threads' wake-ups hundreds of times a second; a lower nice keeps the
-    core for the step (BENCHMARKS.md, "CPU priority"). Below the process's own it needs
-    CAP_SYS_NICE (or RLIMIT_NICE): where the OS refuses, the replica logs it and keeps its
-    priority (app.engine_core.set_thread_nice). In a serve config it is set per phase
-    (prefill/decode/colocated nice), not under engine."""
+    core for the step (BENCHMARKS.md, "The decode thread's CPU priority"). Below the
+    process's own it needs CAP_SYS_NICE (or RLIMIT_NICE): where the OS refuses, the replica
+    logs it and keeps its priority (app.engine_core.set_thread_nice). In a serve config it is
+    set per phase (prefill/decode/colocated nice), not under engine."""
     prefill_max_threads: int | None = None
     """A prefill pass may take up to this many threads while the rest of the machine leaves
     cores idle (app.idle_cores; for phases that share one machine's cores); None:
