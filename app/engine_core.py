@@ -51,11 +51,13 @@ def thread_nice() -> int | None:
         return None
 
 
-def set_thread_nice(nice: int) -> int | None:
-    """Give the calling thread (and the threads it starts from now on) CPU priority ``nice``;
-    returns the nice it has after. Raising one's niceness needs no privilege; lowering it
-    below the process's needs CAP_SYS_NICE (or RLIMIT_NICE), and where the OS refuses, the
-    thread keeps its priority and the log says why."""
+def set_thread_nice(nice: int | None) -> None:
+    """Give the calling thread (and the threads it starts from now on) CPU priority ``nice``
+    (None: leave it). Raising one's niceness needs no privilege; lowering it below the
+    process's needs CAP_SYS_NICE (or RLIMIT_NICE), and where the OS refuses, the thread keeps
+    its priority and the log says why."""
+    if nice is None:
+        return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except PermissionError:
@@ -64,14 +66,6 @@ def set_thread_nice(nice: int) -> int | None:
                        threading.current_thread().name, nice, thread_nice())
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         pass
-    return thread_nice()
-
-
-def _engine_thread_init(nice: int | None) -> None:
-    """The engine thread: its CPU priority (``EngineConfig.nice``) before it loads the model,
-    so that the OpenMP workers it starts inherit it."""
-    if nice is not None:
-        set_thread_nice(nice)
 
 
 def _extra_lane_init() -> None:
@@ -96,9 +90,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
         apply_thread_setting(config.num_threads)
         self.config = config
+        # the engine thread's priority is set before it loads the model, so that the OpenMP
+        # workers it starts inherit it
         self.thread = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine",
-            initializer=functools.partial(_engine_thread_init, config.nice))
+            initializer=functools.partial(set_thread_nice, config.nice))
         self._lanes = [self.thread]
         # the engine thread's nice as the OS left it (EngineConfig.nice; None: not Linux)
         self.nice = self.thread.submit(thread_nice).result()
