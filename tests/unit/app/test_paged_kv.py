@@ -56,6 +56,25 @@ def test_cache_round_trips_a_package_through_scattered_blocks():
     assert cache.slots(table, 3, 6) == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
 
 
+def test_a_package_goes_in_one_copy_per_run_of_consecutive_blocks_and_nowhere_else():
+    cache = _cache()
+    table = [3, 4, 5, 9, 10, 1]  # runs 3-5, 9-10, 1; 22 tokens: the last block half full
+    assert cache.runs(table, 22) == [(12, 0, 12), (36, 12, 8), (4, 20, 2)]
+    assert cache.runs([0, 1, 2, 3], 16) == [(0, 0, 16)]
+    for part in cache.parts:
+        part.fill_(-7.0)
+    kv = torch.randn(3, 2, 2, 22, 8).to(torch.bfloat16)  # cast to the pool's float32
+    cache.write(table, kv)
+    assert torch.equal(cache.read(table, 22), kv.float())
+    slots = set(cache.slots(table, 0, 22))
+    untouched = [i for i in range(cache.num_slots) if i not in slots]
+    assert bool((cache.parts[0][:, :, untouched] == -7.0).all())
+    with pytest.raises(IndexError):
+        cache.write([15, 16], torch.randn(3, 2, 2, 5, 8))  # block 16 is outside the pool
+    with pytest.raises(IndexError):
+        cache.write([2], torch.randn(3, 2, 2, 5, 8))  # 5 positions need two blocks
+
+
 _INPLACE = pytest.mark.skipif(
     inplace_attention_unavailable(torch.float32, ["cpu"], 8) is not None,
     reason=str(inplace_attention_unavailable(torch.float32, ["cpu"], 8)))
