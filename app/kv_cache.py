@@ -136,7 +136,7 @@ class PagedKVCache:
         """Copy a KV package (``[layers, 2, kv_heads, n, head_dim]``) into the sequence's
         first ``n`` positions, cast to the pool's dtype, each span's layers on its device:
         one slice copy per run of consecutive blocks (a scatter through an index of every
-        slot took 9x as long on the CPU: 34 against 4 ms for a 1,024-token SmolLM2 package)."""
+        slot took about 9x as long on the CPU: BENCHMARKS.md section 1)."""
         n = package_kv.shape[3]
         runs = self.runs(table, n)
         for span, part in zip(self.spans, self.parts, strict=True):
