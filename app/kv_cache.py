@@ -100,16 +100,21 @@ class PagedKVCache:
         self.layers = [layer for part in self.parts for layer in part.unbind(0)]
         self.devices = sorted({s.device for s in spans}, key=str)
 
-    def slot_index(self, table: list[int], n: int) -> torch.Tensor:
-        """Slots of positions ``0..n-1`` of a sequence with block table ``table``: [n].
-        ``IndexError`` where the table's blocks hold fewer than ``n`` positions or name a
-        block outside the pool (the kernels read the pool at these slots)."""
+    def _check(self, table: list[int], n: int) -> None:
+        """``IndexError`` where the table's blocks hold fewer than ``n`` positions or name a
+        block outside the pool."""
         if n > len(table) * self.block_size:
             raise IndexError(f"{n} positions need {-(-n // self.block_size)} blocks, the "
                              f"table has {len(table)}")
         blocks = self.num_slots // self.block_size
         if table and not 0 <= min(table) <= max(table) < blocks:
             raise IndexError(f"a block outside the pool's {blocks}: {table}")
+
+    def slot_index(self, table: list[int], n: int) -> torch.Tensor:
+        """Slots of positions ``0..n-1`` of a sequence with block table ``table``: [n].
+        ``IndexError`` where the table's blocks hold fewer than ``n`` positions or name a
+        block outside the pool (the kernels read the pool at these slots)."""
+        self._check(table, n)
         blocks = torch.tensor(table, dtype=torch.long)[:, None] * self.block_size
         return (blocks + torch.arange(self.block_size)).view(-1)[:n]
 
@@ -121,7 +126,7 @@ class PagedKVCache:
         """Positions ``0..n-1`` of ``table`` as runs of consecutive slots: ``(slot, position,
         length)``, one per stretch of consecutive blocks (a fresh table is mostly one).
         ``IndexError`` as :meth:`slot_index`."""
-        self.slot_index(table, n)  # the bounds checks
+        self._check(table, n)
         out: list[tuple[int, int, int]] = []
         for i, block in enumerate(table[: -(-n // self.block_size)]):
             pos = i * self.block_size
