@@ -102,12 +102,15 @@ class EngineCore:
             self.model = self.thread.submit(load_model, config).result()
             self.fingerprint = self.thread.submit(
                 lambda: fingerprint(self.model).as_str()).result()
+            # the weights' packing too: its parallel ops on this constructor's thread would
+            # start a second OpenMP team (see above; served, BENCHMARKS.md §7 "One OpenMP team")
+            self.runner = self.thread.submit(ModelRunner, self.model, config).result()
         else:
             # the caller's model, built on the caller's thread (benchmarks and tests that
             # drive the runner directly): keep this constructor's torch work there too
             self.model = model
             self.fingerprint = fingerprint(model).as_str()
-        self.runner = ModelRunner(self.model, config)
+            self.runner = ModelRunner(self.model, config)
         # structured outputs: the tokenizer is loaded on the first constrained answer
         self.grammars = Grammars(functools.partial(load_tokenizer, config))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from app import engine_core
 from app.config import EngineConfig
 from app.engine_core import EngineCore, thread_nice
+from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "getpriority"), reason="needs Linux priorities")
 
@@ -76,3 +78,35 @@ def test_a_refused_nice_is_logged_and_the_thread_keeps_its_own(tiny_model, monke
 def test_a_nice_out_of_range_is_refused(nice):
     with pytest.raises(ValueError, match=r"nice must be in -20\.\.19"):
         EngineConfig(nice=nice)
+
+
+def test_a_loaded_model_starts_one_openmp_team_the_engine_threads(tmp_path):
+    """Loading, packing the weights and every pass run on the engine thread, so the
+    process has one OpenMP team (more pool threads than cores would put libgomp's workers
+    to sleep at every region's end). The engine thread runs at a nice of its own, which the
+    workers it starts inherit: a team the constructor's thread started would not."""
+    # weights wide enough that packing them runs parallel ops
+    make_tiny_model(hidden_size=256, intermediate_size=1024).save_pretrained(tmp_path)
+    own = thread_nice()
+    nice = min(19, own + 3)
+    out: dict = {}
+
+    def construct() -> None:  # a fresh thread, as a replica's constructor runs on
+        before = _threads()
+        core = EngineCore(EngineConfig(model=str(tmp_path), nice=nice, num_threads=2))
+        engine = core.thread.submit(threading.get_native_id).result()
+        # while this thread lives: a team it started would still be there
+        out["core"] = core
+        out["workers"] = {tid: os.getpriority(os.PRIO_PROCESS, tid)
+                          for tid in _threads() - before - {engine}}
+
+    thread = threading.Thread(target=construct)
+    thread.start()
+    thread.join()
+    core = out["core"]
+    assert out["workers"]  # packing the weights ran parallel ops: the engine thread's team
+    assert set(out["workers"].values()) == {nice}
+    before = _threads()
+    asyncio.run(core.run(_parallel_work))
+    assert _threads() - before == set()  # passes reuse that team
+    core.thread.shutdown()
