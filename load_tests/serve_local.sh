@@ -43,7 +43,12 @@ wait_ready() {
 
 # serve_config NAME: deploy serve_configs/NAME.yaml and wait for /health
 serve_config() {
-  PYTHONPATH=$PWD "$BIN/serve" run --non-blocking "${SERVE_CONFIG_DIR:-serve_configs}/$1.yaml" \
-    >"$OUT/$1-serve.log" 2>&1
+  # --non-blocking returns once the config is submitted: a failure there (no Ray head to
+  # reach, a config Serve refuses) ends the wait at once instead of after wait_ready's 600 s
+  if ! PYTHONPATH=$PWD "$BIN/serve" run --non-blocking "${SERVE_CONFIG_DIR:-serve_configs}/$1.yaml" \
+    >"$OUT/$1-serve.log" 2>&1; then
+    echo "serve run failed for $1.yaml (its log: $OUT/$1-serve.log)" >&2
+    return 1
+  fi
   wait_ready
 }
