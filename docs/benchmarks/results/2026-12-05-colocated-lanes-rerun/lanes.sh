@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+cd /work/scratch/s4
+for r in 1 2; do
+  for v in lanes default; do
+    if [ $v = lanes ]; then C=/work/benchruns/col-lanes; else C=serve_configs; fi
+    CFG=$C NAME=ln-$v-$r WL=W-long ./one.sh
+  done
+done
