@@ -24,6 +24,14 @@ def _threads() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
+def _nice_of(tid: int) -> int | None:
+    """Thread ``tid``'s nice, or None where it has exited since it was listed."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except ProcessLookupError:
+        return None
+
+
 def _parallel_work() -> None:
     """A parallel op on the calling thread (its OpenMP team of two is started here, if new)."""
     before = torch.get_num_threads()
@@ -97,8 +105,8 @@ def test_a_loaded_model_starts_one_openmp_team_the_engine_threads(tmp_path):
         engine = core.thread.submit(threading.get_native_id).result()
         # while this thread lives: a team it started would still be there
         out["core"] = core
-        out["workers"] = {tid: os.getpriority(os.PRIO_PROCESS, tid)
-                          for tid in _threads() - before - {engine}}
+        out["workers"] = {tid: n for tid in _threads() - before - {engine}
+                          if (n := _nice_of(tid)) is not None}
 
     thread = threading.Thread(target=construct)
     thread.start()
