@@ -52,6 +52,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "vec_math.h"
 
 #define NR 16
 #define MR 6

@@ -27,7 +27,7 @@
 #include "kernels.h"
 #include "vec_math.h"
 
-#define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,bmi2")))
 #define KP 16  /* positions per key panel */
 #define PS 4   /* panels per softmax step */
 #define SK (PS * KP) /* keys per step */
@@ -161,24 +161,44 @@ static inline __attribute__((always_inline)) BF_TARGET void score_step(
         if (nv > 2) _mm512_store_ps(a + 32, o##i##2);                                      \
         if (nv > 3) _mm512_store_ps(a + 48, o##i##3);                                      \
     }
+static inline __attribute__((always_inline)) BF_TARGET void pv_cols(
+    int mr, long nv, long c0, const uint32_t *pw, const float *alpha, uint32_t pairs,
+    const uint16_t *vp, long d, float *acc) {
+    const __m512i zero = _mm512_setzero_si512();
+    P_DECL(0) P_DECL(1) P_DECL(2) P_DECL(3) P_DECL(4) P_DECL(5)
+    for (uint32_t bits = pairs; bits; bits &= bits - 1) {
+        long j = __builtin_ctz(bits);
+        const uint16_t *vr = vp + (j * d + c0) * 2;
+        __m512bh v0 = (__m512bh)_mm512_loadu_si512(vr);
+        __m512bh v1 = (__m512bh)(nv > 1 ? _mm512_loadu_si512(vr + 32) : zero);
+        __m512bh v2 = (__m512bh)(nv > 2 ? _mm512_loadu_si512(vr + 64) : zero);
+        __m512bh v3 = (__m512bh)(nv > 3 ? _mm512_loadu_si512(vr + 96) : zero);
+        P_DP(0) P_DP(1) P_DP(2) P_DP(3) P_DP(4) P_DP(5)
+    }
+    P_STORE(0) P_STORE(1) P_STORE(2) P_STORE(3) P_STORE(4) P_STORE(5)
+}
 static inline __attribute__((always_inline)) BF_TARGET void pv_step(
     int mr, const uint32_t *pw, const float *alpha, uint32_t pairs, const uint16_t *vp,
     long d, float *acc) {
-    const __m512i zero = _mm512_setzero_si512();
     for (long c0 = 0; c0 < d; c0 += 64) {
         long nv = (d - c0) / 16 < 4 ? (d - c0) / 16 : 4;
-        P_DECL(0) P_DECL(1) P_DECL(2) P_DECL(3) P_DECL(4) P_DECL(5)
-        for (uint32_t bits = pairs; bits; bits &= bits - 1) {
-            long j = __builtin_ctz(bits);
-            const uint16_t *vr = vp + (j * d + c0) * 2;
-            __m512bh v0 = (__m512bh)_mm512_loadu_si512(vr);
-            __m512bh v1 = (__m512bh)(nv > 1 ? _mm512_loadu_si512(vr + 32) : zero);
-            __m512bh v2 = (__m512bh)(nv > 2 ? _mm512_loadu_si512(vr + 64) : zero);
-            __m512bh v3 = (__m512bh)(nv > 3 ? _mm512_loadu_si512(vr + 96) : zero);
-            P_DP(0) P_DP(1) P_DP(2) P_DP(3) P_DP(4) P_DP(5)
-        }
-        P_STORE(0) P_STORE(1) P_STORE(2) P_STORE(3) P_STORE(4) P_STORE(5)
+        if (nv == 4) pv_cols(mr, 4, c0, pw, alpha, pairs, vp, d, acc);
+        else pv_cols(mr, nv, c0, pw, alpha, pairs, vp, d, acc);
     }
+}
+
+/* The two products for a tile of RB rows (over a whole step's panels: every step but a
+   prompt's last) compiled for that tile alone, without the inner loops' tests of the rows
+   and panels in use; other tiles through the general code. */
+static BF_TARGET void score_tile(int mr, const uint32_t *qb, long dw, const uint16_t *kp,
+                                 long np, float *scores) {
+    if (mr == RB && np == PS) score_step(RB, qb, dw, kp, PS, scores);
+    else score_step(mr, qb, dw, kp, np, scores);
+}
+static BF_TARGET void pv_tile(int mr, const uint32_t *pw, const float *alpha, uint32_t pairs,
+                              const uint16_t *vp, long d, float *acc) {
+    if (mr == RB) pv_step(RB, pw, alpha, pairs, vp, d, acc);
+    else pv_step(mr, pw, alpha, pairs, vp, d, acc);
 }
 
 /* One row's softmax step over its SK scores (lanes in `m` seen): the probabilities as bf16
@@ -235,28 +255,35 @@ static BF_TARGET void attend_block_bf16(int mr, long i0, const float *q, long qs
         long np = panels - p0 < PS ? panels - p0 : PS;
         uint64_t seen[QB];
         uint32_t pairs[2] = {0, 0};
-        for (int r = 0; r < mr; r++) {
-            seen[r] = 0;
-            for (long p = p0; p < p0 + np; p++)
-                seen[r] |= (uint64_t)seen_lanes(p, i0 + r, start, pmax, t) << ((p - p0) * KP);
+        long lo = p0 * KP, hi = (p0 + np) * KP;
+        if (hi <= t && (hi <= start || (lo >= pmax && hi - 1 <= pmax + i0))) {
+            /* every key of the step real and seen by the block's first row, so by every row
+               (most steps of a long prompt): seen_lanes' answer for each, without asking */
+            uint64_t all = np * KP == 64 ? ~0ull : (1ull << (np * KP)) - 1;
+            for (int r = 0; r < mr; r++) seen[r] = all;
+        } else {
+            for (int r = 0; r < mr; r++) {
+                seen[r] = 0;
+                for (long p = p0; p < p0 + np; p++)
+                    seen[r] |= (uint64_t)seen_lanes(p, i0 + r, start, pmax, t)
+                               << ((p - p0) * KP);
+            }
         }
         const uint16_t *kstep = kp + p0 * dw * KP * 2;
         for (int r0 = 0; r0 < mr; r0 += RB) {
             int n = mr - r0 < RB ? mr - r0 : RB;
-            score_step(n, qb + r0 * dw, dw, kstep, np, scores + r0 * SK);
+            score_tile(n, qb + r0 * dw, dw, kstep, np, scores + r0 * SK);
         }
         for (int r = 0; r < mr; r++) {
             softmax_step(scores + r * SK, seen[r], scale, top + r, total + r, alpha + r,
                          pw + r * (SK / 2));
             uint64_t m = seen[r] | (seen[r] >> 1); /* pair j seen: bit 2j */
-            uint32_t pj = 0;
-            for (int j = 0; j < SK / 2; j++) pj |= (uint32_t)((m >> (2 * j)) & 1u) << j;
-            pairs[r / RB] |= pj;
+            pairs[r / RB] |= (uint32_t)_pext_u64(m, 0x5555555555555555ull);
         }
         const uint16_t *vstep = vpk + p0 * KP / 2 * d * 2;
         for (int r0 = 0; r0 < mr; r0 += RB) {
             int n = mr - r0 < RB ? mr - r0 : RB;
-            pv_step(n, pw + r0 * (SK / 2), alpha + r0, pairs[r0 / RB], vstep, d,
+            pv_tile(n, pw + r0 * (SK / 2), alpha + r0, pairs[r0 / RB], vstep, d,
                     acc + r0 * DMAX);
         }
     }
