@@ -38,40 +38,23 @@
 #define PARALLEL_ROWS 32 /* fewer rows: the elementwise parts run on the calling thread */
 #define ROW_SPLIT 64      /* from here on: one region a call, over blocks of rows */
 
-#define MIN_BLOCK 32 /* rows: the smallest block of a row-split call */
-#define MAX_BLOCKS 256
-
-/* The ends of a row-split call's blocks of rows, largest first (as OpenMP's guided
-   schedule): each a (2 x threads)th of the rows left, rounded up to 8, at least MIN_BLOCK
-   (or a thread's share, where that is smaller: every thread of a large team gets rows).
-   Threads take them as they come free, so a thread whose core the serving stack takes in a
-   pass's last blocks leaves the other at most a small block to wait for (equal blocks left
-   it up to a quarter of the rows: at 256 rows, 1.7 ms of a layer's MLP on SmolLM2). Rows
-   compute alike in any block, so the split changes no value. Returns the count. */
-static long row_block_ends(long m, int threads, long *ends) {
-    long n = 0, r = 0, least = ((m + threads - 1) / threads + 7) / 8 * 8;
-    if (least > MIN_BLOCK) least = MIN_BLOCK;
-    while (r < m) {
-        long left = m - r, size = (left + 2L * threads - 1) / (2L * threads);
-        size = (size + 7) / 8 * 8;
-        if (size < least) size = least;
-        if (left - size < least || n == MAX_BLOCKS - 1) size = left;
-        r += size;
-        ends[n++] = r;
-    }
-    return n;
+/* Blocks of rows for a row-split call: two a thread once each has 128 rows or more (so a
+   thread whose core is shared leaves the other at most half a share to wait for), else one
+   a thread. */
+static long row_blocks(long m, int threads) {
+    return m >= 128L * threads ? 2L * threads : threads;
 }
 
 /* Each block [r0, r1) of m rows through fn(ctx, r0, r1) on the team, blocks taken as threads
    come free; a failing block's status (SK_OK when none fails). */
 typedef int (*rows_fn)(const void *ctx, long r0, long r1);
 static int over_row_blocks(rows_fn fn, const void *ctx, long m, int threads) {
-    long ends[MAX_BLOCKS], blocks = row_block_ends(m, threads, ends);
+    long blocks = row_blocks(m, threads), per = (m + blocks - 1) / blocks;
     int status = SK_OK;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (long b = 0; b < blocks; b++) {
-        long r0 = b ? ends[b - 1] : 0, r1 = ends[b];
-        int rc = fn(ctx, r0, r1);
+        long r0 = b * per, r1 = r0 + per < m ? r0 + per : m;
+        int rc = r0 < r1 ? fn(ctx, r0, r1) : SK_OK;
         if (rc != SK_OK) {
 #pragma omp atomic write
             status = rc;
