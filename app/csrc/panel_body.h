@@ -225,7 +225,7 @@ static void N(panel_rows)(int mr, long k, const WT *pan, const float *x, float *
                        long q, const float *bias) {
     float b16[NR], tile16[MR * NR];
     long cols = n - q * NR < NR ? n - q * NR : NR;
-    bias_slice(b16, bias, q * NR, cols, NR);
+    column_slice(b16, bias, q * NR, cols, NR);
     if (cols == NR) {
         N(MICROS)[mr](k, pan, x, k, y + q * NR, n, b16);
         return;
@@ -248,7 +248,7 @@ static void N(run_panels_small)(const float *x, long m, long k, const WT *p, lon
                 N(panel_rows)(MR, k, p + qq * k * NR, x + m0 * k, y + m0 * n, n, qq, bias);
         if (rest == 0) continue;
         if (N(TILES)[rest] != NULL && qe - q == width && qe * NR <= n) {
-            bias_slice(bias_tile, bias, q * NR, width * NR, width * NR);
+            column_slice(bias_tile, bias, q * NR, width * NR, width * NR);
             N(TILES)[rest](k, p + q * k * NR, x + full * k, k, y + full * n + q * NR, n, bias_tile);
         } else {
             for (long qq = q; qq < qe; qq++)
@@ -272,7 +272,7 @@ static void N(run_panels_sliced)(const float *x, long m, long k, const WT *p, lo
             long me = mb + MB < m ? mb + MB : m, full = mb + (me - mb) / MR * MR;
             for (long q = g0; q < g1; q++) {
                 float b16[NR];
-                bias_slice(b16, bias, q * NR, NR, NR);
+                column_slice(b16, bias, q * NR, NR, NR);
                 const WT *pan = p + q * k * NR;
                 for (long k0 = 0; k0 < k; k0 += kc) {
                     long len = k - k0 < kc ? k - k0 : kc;

@@ -67,7 +67,7 @@ static void N(rows512)(int mr, int np, long k, const WT *pan, const float *x, fl
                     long q, const float *bias) {
     float b32[2 * NR], scratch[MR5 * 2 * NR];
     long cols = n - q * NR < np * NR ? n - q * NR : np * NR;
-    bias_slice(b32, bias, q * NR, cols, np * NR);
+    column_slice(b32, bias, q * NR, cols, np * NR);
     if (cols == np * NR) {
         N(TILES512)[mr][np - 1](k, pan, x, k, y + q * NR, n, b32);
         return;
@@ -153,7 +153,7 @@ static void N(run_narrow)(const float *x, long m, long k, const WT *p, long n,
     float bias_tile[8 * NR];
     long q = q0;
     for (; q + np <= q1 && (q + np) * NR <= n; q += np) {
-        bias_slice(bias_tile, bias, q * NR, np * NR, np * NR);
+        column_slice(bias_tile, bias, q * NR, np * NR, np * NR);
         N(NARROW)[m](k, p + q * k * NR, x, k, y + q * NR, n, bias_tile);
     }
     for (; q < q1; q += 2) {

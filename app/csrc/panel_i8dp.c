@@ -208,8 +208,8 @@ struct vn_job {
 static void vn_rows(const struct vn_job *j, long m0, int mr, int np, long q, int ahead) {
     float s64[8 * NR], b64[8 * NR], scratch[12 * 4 * NR];
     long cols = j->n - q * NR < np * NR ? j->n - q * NR : np * NR;
-    bias_slice(s64, j->wscale, q * NR, cols, np * NR);
-    bias_slice(b64, j->bias, q * NR, cols, np * NR);
+    column_slice(s64, j->wscale, q * NR, cols, np * NR);
+    column_slice(b64, j->bias, q * NR, cols, np * NR);
     vn_fn tile = VN_TILES[mr][np == 8 ? 3 : np == 4 ? 2 : np - 1];
     const int8_t *pan = j->p + q * j->kp * NR * 2;
     const uint32_t *x = j->xq + m0 * j->kp;

@@ -5,17 +5,19 @@
 
 #include <immintrin.h>
 
-/* dst[0, width) = the bias of columns [from, from + cols) (zeros where there is no bias),
-   then zeros: a tile's bias, set up once a tile. Plain loads of the bias's own floats and
+/* dst[0, width) = src's columns [from, from + cols), then zeros (all zeros where src is NULL):
+   a tile's bias or column scales, set up once a tile. Plain loads of src's own floats and
    plain stores: the loop `bias && j < cols ? bias[j] : 0` it replaces was vectorised with
    masked loads, and a masked load through a NULL bias (every lane off) costs an AMD core a
    microcode assist, about a thousand cycles; memset's `rep stos` costs tens. SmolLM2's bf16
    prefill products spent 8% of their time in that set-up. */
-static inline void bias_slice(float *dst, const float *bias, long from, long cols, long width) {
+static inline void column_slice(float *dst, const float *src, long from, long cols,
+                                long width) {
     long j = 0;
-    if (bias != NULL) {
-        for (; j + 8 <= cols; j += 8) _mm256_storeu_ps(dst + j, _mm256_loadu_ps(bias + from + j));
-        for (; j < cols; j++) dst[j] = bias[from + j];
+    if (src != NULL) {
+        const float *s = src + from;
+        for (; j + 8 <= cols; j += 8) _mm256_storeu_ps(dst + j, _mm256_loadu_ps(s + j));
+        for (; j < cols; j++) dst[j] = s[j];
     }
     for (; j + 8 <= width; j += 8) _mm256_storeu_ps(dst + j, _mm256_setzero_ps());
     for (; j < width; j++) dst[j] = 0.0f;
