@@ -8,9 +8,9 @@
 /* dst[0, width) = src's columns [from, from + cols), then zeros (all zeros where src is NULL):
    a tile's bias or column scales, set up once a tile. Plain loads of src's own floats and
    plain stores: the loop `bias && j < cols ? bias[j] : 0` it replaces was vectorised with
-   masked loads, and a masked load through a NULL bias (every lane off) costs an AMD core a
-   microcode assist, about a thousand cycles; memset's `rep stos` costs tens. SmolLM2's bf16
-   prefill products spent 8% of their time in that set-up. */
+   masked loads, and the masked loads through a NULL bias (every lane off) cost an AMD core
+   about a thousand cycles a tile (presumably a microcode assist); memset's `rep stos` costs
+   tens. SmolLM2's bf16 prefill products spent 8% of their time in that set-up. */
 static inline void column_slice(float *dst, const float *src, long from, long cols,
                                 long width) {
     long j = 0;
