@@ -191,9 +191,12 @@ static void dp_rows(int mr, int np, long kp, const uint16_t *pan, const uint32_t
    it can (up to 6 rows x 4 panels, 8 x 3 from 7 rows on: the weights stream once, and the
    first block of rows through a group fetches the next group's panels meanwhile, so that
    memory and arithmetic overlap; batch 8's step 0.86x of 6 + 2 rows through 4 panels). */
+/* Panels side by side in a product's tiles: 4 for up to 6 rows, else 3 (8 rows a tile). */
+static int dp_width(long m) { return m <= 6 ? 4 : 3; }
+
 static void dp_run(const uint32_t *xb, long m, long kp, const uint16_t *p, long n,
                    const float *bias, float *y, long q0, long q1) {
-    int np = m <= 6 ? 4 : 3;
+    int np = dp_width(m);
     long ps = kp * NR * 2;
     long group = m <= MB ? np : GROUP_BYTES / (ps * 2) / np * np;
     if (group < np) group = np;
@@ -241,8 +244,9 @@ int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, con
            wait for: a product of 60 panels in groups of 14 kept one of two threads idle
            for a fifth of it */
         long group = GROUP_BYTES / (kp * NR * 2 * 2), fair = panels / (4L * threads);
-        group = (group < fair ? group : fair) / 3 * 3;
-        if (group < 3) group = 3;
+        long np = dp_width(m); /* whole tiles in a group */
+        group = (group < fair ? group : fair) / np * np;
+        if (group < np) group = np;
         long chunks = (panels + group - 1) / group;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
         for (long c = 0; c < chunks; c++) {

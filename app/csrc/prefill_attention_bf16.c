@@ -85,9 +85,14 @@ static BF_TARGET void pack_values(const float *v, long vs, long t, long start, l
 
 /* Lanes of panel p (positions 16p..16p+15) that query i of a row sees (as the float32
    kernel's visible()). */
+/* Whether every position of [lo, hi) is a real key that query i of a row sees. */
+static inline int all_seen(long lo, long hi, long i, long start, long pmax, long t) {
+    return hi <= t && (hi <= start || (lo >= pmax && hi - 1 <= pmax + i));
+}
+
 static inline uint32_t seen_lanes(long p, long i, long start, long pmax, long t) {
     long lo = p * KP, hi = lo + KP;
-    if (hi <= t && (hi <= start || (lo >= pmax && hi - 1 <= pmax + i))) return 0xFFFF;
+    if (all_seen(lo, hi, i, start, pmax, t)) return 0xFFFF;
     if (lo >= start && (hi <= pmax || lo > pmax + i)) return 0;
     uint32_t m = 0;
     for (long j = 0; j < KP; j++) {
@@ -255,10 +260,9 @@ static BF_TARGET void attend_block_bf16(int mr, long i0, const float *q, long qs
         long np = panels - p0 < PS ? panels - p0 : PS;
         uint64_t seen[QB];
         uint32_t pairs[2] = {0, 0};
-        long lo = p0 * KP, hi = (p0 + np) * KP;
-        if (hi <= t && (hi <= start || (lo >= pmax && hi - 1 <= pmax + i0))) {
-            /* every key of the step real and seen by the block's first row, so by every row
-               (most steps of a long prompt): seen_lanes' answer for each, without asking */
+        if (all_seen(p0 * KP, (p0 + np) * KP, i0, start, pmax, t)) {
+            /* every key of the step seen by the block's first row, so by every row (most
+               steps of a long prompt): seen_lanes' answer for each, without asking */
             uint64_t all = np * KP == 64 ? ~0ull : (1ull << (np * KP)) - 1;
             for (int r = 0; r < mr; r++) seen[r] = all;
         } else {
