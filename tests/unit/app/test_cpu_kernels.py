@@ -208,6 +208,42 @@ def test_in_place_attention_equals_sdpa_over_each_rows_own_slots(head_dim, threa
         torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)
 
 
+def test_in_place_attention_gives_a_row_the_same_bits_alone_and_in_a_batch():
+    """head_dim 64's path reads a row's every KV head at once where the batch has a row per
+    thread, and one KV head a task where it has fewer (a lone row on two threads): the
+    sums run in the same order either way, so a row's output is the same to the bit alone or
+    in a batch, on one thread or two; 14 query heads over 2 KV heads (a Qwen2-0.5B's)."""
+    torch.manual_seed(2)
+    lib = cpu_kernels.load_kernel()
+    kv_heads, group, hd, slots = 2, 7, 64, 1024
+    pool = torch.randn(2, slots, kv_heads, hd)
+    lengths = [5, 300, 64]
+    read = torch.randperm(slots)[: sum(lengths)]
+    q = torch.randn(len(lengths), kv_heads * group, hd)
+
+    def attend(rows: list[int], threads: int) -> torch.Tensor:
+        parts = [read[sum(lengths[:b]) : sum(lengths[: b + 1])] for b in rows]
+        offsets = torch.tensor([0, *torch.tensor([len(p) for p in parts]).cumsum(0).tolist()])
+        r, qs = torch.cat(parts), q[rows].contiguous()
+        out = torch.empty_like(qs)
+        assert lib.paged_decode_attention(
+            qs.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(), slots, kv_heads, hd, group,
+            r.data_ptr(), r.numel(), offsets.data_ptr(), len(rows), 0.125, out.data_ptr(),
+            threads) == 0
+        return out
+
+    batch = attend([0, 1, 2], 1)
+    assert torch.equal(attend([0, 1, 2], 2), batch)
+    for b in range(len(lengths)):
+        for threads in (1, 2):
+            assert torch.equal(attend([b], threads)[0], batch[b]), (b, threads)
+        slots_b = read[sum(lengths[:b]) : sum(lengths[: b + 1])]
+        k = pool[0, slots_b].transpose(0, 1).repeat_interleave(group, 0)
+        v = pool[1, slots_b].transpose(0, 1).repeat_interleave(group, 0)
+        ref = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=0.125)[:, 0]
+        torch.testing.assert_close(batch[b], ref, rtol=1e-5, atol=1e-5)
+
+
 def _no_avx512() -> bool:
     """True where the kernel loads but the CPU lacks AVX-512 (elsewhere the module's own
     skip applies; loading is not tried at import, where a failed build would break
