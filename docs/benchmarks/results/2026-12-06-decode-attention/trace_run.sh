@@ -10,7 +10,7 @@ start_head; serve_config $CFG || exit 1
 B() { PEER=$PEER SERVED=${SERVED:-smollm2-135m-instruct} SEED=$7 RESULT_DIR=$O $PEER_SCRIPTS/bench.sh $1 8000 $2 $3 $4 $5 $6 --ignore-eos > $O/$1.log 2>&1; }
 B warm1 64 16 8 8 inf 9; B warm2 1024 4 2 2 inf 9
 for wl in "$@"; do
-  [ -z "$NOSAMPLE" ] && { python3 "$(dirname "$0")/cpuacct.py" sample $O/$wl.cpu & SP=$!; }
+  [ -z "$NOSAMPLE" ] && { python3 "$(dirname "$0")/../2026-12-05-split-wlong-cpu/cpuacct.py" sample $O/$wl.cpu & SP=$!; }
   case $wl in
    W-short) B W-short 64 64 64 8 inf 1;;
    W-long) B W-long 1024 16 16 4 inf 2;;
