@@ -44,6 +44,7 @@ from transformers.masking_utils import sdpa_mask
 
 from app.cpu_kernels import assert_kernel_tensors, check, kernel_unavailable, load_kernel
 from app.kv_cache import PagedKVCache
+from app.kv_package import KVLayout
 from app.prefill_attention import PrefillSpan, _kernel_prefill_attention, _kernel_serves
 
 PAGED_ATTENTION = "splitserve_paged"
@@ -114,6 +115,7 @@ class PagedCacheView:
     def __init__(self, cache: PagedKVCache, step: PagedDecodeStep) -> None:
         self.layers = cache.layers
         self.step = step
+        self.keeps_kv = False  # written into the pool at once
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states, value_states: [B, kv_heads, 1, head_dim]
@@ -179,15 +181,22 @@ class MixedCacheView:
     """The cache a mixed pass hands the model's layers. ``update`` gets the pass's keys and
     values ``[1, kv_heads, T, head_dim]``: the decode rows' are written into their slots and
     their blocks gathered, or the pool handed on whole where the kernel reads it in place (as
-    :class:`PagedCacheView`), the chunks' are kept (``keys``,
-    ``values``: per layer, the chunks' part, as a prefill pass keeps them) and joined after
-    each chunk's past (per chunk, per layer (keys, values) ``[1, kv_heads, P, head_dim]``)."""
+    :class:`PagedCacheView`); a chunk with ``into`` (its prompt's KV so far with room for it,
+    ``[layers, 2, kv_heads, N, head_dim]``) is written there after its past and attends over
+    a view of it; the other chunks' are kept (``keys``, ``values``: per layer, the chunks'
+    part, as a prefill pass keeps them) and joined after each chunk's past (per chunk, per
+    layer (keys, values) ``[1, kv_heads, P, head_dim]``)."""
 
     def __init__(self, cache: PagedKVCache, step: MixedStep,
-                 past: list[list[tuple[torch.Tensor, torch.Tensor]] | None]) -> None:
+                 past: list[list[tuple[torch.Tensor, torch.Tensor]] | None],
+                 into: list[torch.Tensor | None] | None = None) -> None:
         self.layers = cache.layers
         self.step = step
         self.past = past
+        self.into = into or [None] * len(step.chunk_lens)
+        # whether the layers' keys/values are read after the layer (``chunk_kvs``): where
+        # they are not, the caller may hand views of a buffer it reuses
+        self.keeps_kv = any(w is None for w in self.into)
         self.keys: list[torch.Tensor | None] = [None] * len(cache.layers)
         self.values: list[torch.Tensor | None] = [None] * len(cache.layers)
 
@@ -211,8 +220,13 @@ class MixedCacheView:
         start = 0
         for i, n in enumerate(step.chunk_lens):
             k, v = new_k[:, :, start : start + n], new_v[:, :, start : start + n]
-            past = self.past[i]
-            if past is not None:
+            past, into = self.past[i], self.into[i]
+            if into is not None:
+                p, dst = step.past_lens[i], into[layer_idx]  # [2, kv_heads, N, head_dim]
+                dst[0, :, p : p + n] = k[0]
+                dst[1, :, p : p + n] = v[0]
+                k, v = dst[0, :, : p + n][None], dst[1, :, : p + n][None]
+            elif past is not None:
                 past_k, past_v = past[layer_idx]
                 k = torch.cat([past_k.to(k), k], dim=2)
                 v = torch.cat([past_v.to(v), v], dim=2)
@@ -220,6 +234,26 @@ class MixedCacheView:
             start += n
         step.current = (decode_kv, chunk_kv)
         return key_states, value_states
+
+    def chunk_kvs(self, layout: KVLayout, dtype: torch.dtype,
+                  device: torch.device) -> list[torch.Tensor]:
+        """Per chunk, its KV ``[layers, 2, kv_heads, len_i, head_dim]``: contiguous, in
+        ``dtype`` on ``device``; for a chunk with ``into``, the view of it that holds them."""
+        kvs, start = [], 0
+        for n, p, into in zip(self.step.chunk_lens, self.step.past_lens, self.into,
+                              strict=True):
+            if into is not None:
+                kvs.append(into[:, :, :, p : p + n])
+                start += n
+                continue
+            kv = torch.empty((layout.num_layers, 2, layout.num_kv_heads, n, layout.head_dim),
+                             dtype=dtype, device=device)
+            for layer_idx in range(layout.num_layers):
+                kv[layer_idx, 0] = self.keys[layer_idx][0, :, start : start + n]
+                kv[layer_idx, 1] = self.values[layer_idx][0, :, start : start + n]
+            kvs.append(kv)
+            start += n
+        return kvs
 
 
 def inplace_attention_unavailable(cache_dtype: torch.dtype, devices, head_dim: int,

@@ -197,9 +197,9 @@ class Decoder:
             logits = self.runner.decode(self.cache, tables, tokens_in, positions)  # [B, V]
         else:
             start = time.perf_counter()
-            chunks, past = prefill.inputs()
+            chunks, past, into = prefill.inputs()
             logits, chunk_logits, kvs = self.runner.forward_mixed(
-                self.cache, tables, tokens_in, positions, chunks, past)
+                self.cache, tables, tokens_in, positions, chunks, past, into)
             prefill.complete(chunk_logits, kvs, start)
             self.mixed_steps += 1
         if not batch:

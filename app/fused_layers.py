@@ -88,9 +88,9 @@ class FusedLayers:
             cos.data_ptr(), sin.data_ptr(), xn.data_ptr(), qkv.data_ptr(), threads), "layer_qkv")
         hd = self.head_dim
         q = qkv[:, :nq].view(bsz, seq, self.heads, hd).transpose(1, 2)
-        # keys and values copied out: what the cache view keeps (for the pass's KV) is theirs,
-        # not the whole product's rows
-        kv = qkv[:, nq:].clone()
+        # keys and values copied out where the cache view keeps them (for the pass's KV): what
+        # it keeps is theirs, not the whole product's rows; else they are copied at once
+        kv = qkv[:, nq:].clone() if getattr(cache, "keeps_kv", True) else qkv[:, nq:]
         k = kv[:, :nkv].view(bsz, seq, self.kv_heads, hd).transpose(1, 2)
         v = kv[:, nkv:].view(bsz, seq, self.kv_heads, hd).transpose(1, 2)
         attn = self.attn[index]

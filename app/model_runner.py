@@ -334,6 +334,7 @@ class ModelRunner:
     def forward_mixed(self, cache: PagedKVCache, tables: list[list[int]], token_ids: list[int],
                       positions: list[int], chunks: list[list[int]],
                       past: list[torch.Tensor | None] | None = None,
+                      into: list[torch.Tensor | None] | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """A decode step and prompt chunks in one forward pass.
 
@@ -343,15 +344,26 @@ class ModelRunner:
         (decode rows first, then each chunk), so each linear layer runs once over every
         token; only attention is per group (``app.attention.MixedStep``).
 
+        ``into[i]`` (a prompt's later chunk): the prompt's KV so far, ``[layers, 2,
+        kv_heads, N, head_dim]`` in the runner's dtype, its first ``past[i].shape[3]``
+        positions filled (``past[i]`` is the view of them) and room for the chunk: the
+        chunk's keys/values are written there and it attends over a view of it, as
+        :meth:`forward_prefill`'s ``into`` (no past + chunk concatenation a layer, no copy
+        of the chunk afterwards).
+
         Returns the decode rows' logits [B, V], each chunk's logits at its last token
         [C, V] (float32) and each chunk's KV ``[layers, 2, kv_heads, len_i, head_dim]``
-        (contiguous, KV dtype, on ``kv_device``), as :meth:`forward_prefill` returns them.
+        (contiguous, KV dtype, on ``kv_device``; with ``into[i]``, the view of it that holds
+        the chunk's), as :meth:`forward_prefill` returns them.
         """
         bsz = len(token_ids)
         assert len(positions) == bsz == len(tables) and chunks and all(chunks)
         for table, pos in zip(tables, positions, strict=True):
             assert pos < len(table) * cache.block_size, f"position {pos} has no block"
         past = past or [None] * len(chunks)
+        into = into or [None] * len(chunks)
+        assert all(w is None or (p is not None and w.dtype == self.dtype)
+                   for p, w in zip(past, into, strict=True))
         lens = [len(c) for c in chunks]
         starts = [0 if p is None else p.shape[3] for p in past]
         ids = list(token_ids) + [t for c in chunks for t in c]
@@ -364,29 +376,16 @@ class ModelRunner:
                                prefill_bf16=self.prefill_bf16, inplace=self.inplace_attention)
         # each chunk's past per layer, in the model's dtype on the layer's device
         layer_past = [
-            None if kv is None else [
+            None if kv is None or w is not None else [
                 (kv[li, 0][None].to(dev, self.dtype), kv[li, 1][None].to(dev, self.dtype))
                 for li, dev in enumerate(self.layer_devices)]
-            for kv in past]
-        view = MixedCacheView(cache, step, layer_past)
+            for kv, w in zip(past, into, strict=True)]
+        view = MixedCacheView(cache, step, layer_past, into)
         ends = torch.tensor(lens).cumsum(0) + bsz - 1
         rows = torch.cat([torch.arange(bsz), ends])
         with self.lock:
             hidden = self.embed_tokens(ids_t)  # [1, T, H]
             hidden = self._layers_forward(hidden, pos_t, None, view, mixed_step=step)
             logits = self._logits(hidden[0, rows.to(hidden.device)])  # [B + C, V]
-            kvs = []
-            lay = self.layout
-            start = 0
-            for n in lens:
-                kv = torch.empty(
-                    (lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim),
-                    dtype=self.kv_dtype,
-                    device=self.kv_device,
-                )
-                for layer_idx in range(lay.num_layers):
-                    kv[layer_idx, 0] = view.keys[layer_idx][0, :, start : start + n]
-                    kv[layer_idx, 1] = view.values[layer_idx][0, :, start : start + n]
-                kvs.append(kv)
-                start += n
+            kvs = view.chunk_kvs(self.layout, self.kv_dtype, self.kv_device)
         return logits[:bsz], logits[bsz:], kvs

@@ -123,6 +123,8 @@ class ChunkPlan:
     packages: list[KVPackage | None] = field(default_factory=list)
     before: list[int] = field(default_factory=list)  # each row's remaining tokens, planned
     elapsed: float = 0.0  # seconds of the pass that computed it
+    # per row: its chunk is written straight into its KV so far (``inputs``' ``into``)
+    in_place: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.before = [j.remaining for j in self.rows]
@@ -131,14 +133,24 @@ class ChunkPlan:
     def tokens(self) -> int:
         return sum(self.sizes)
 
-    def inputs(self) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Each row's chunk (token ids) and the KV of its positions before it (or None)."""
+    def inputs(self) -> tuple[list[list[int]], list[torch.Tensor | None],
+                              list[torch.Tensor | None]]:
+        """Each row's chunk (token ids), the KV of its positions before it (or None) and,
+        for a prompt's later chunk (where the runner holds a prompt's KV so far in its own
+        dtype: ``Prefiller.work_dtype``), that KV with room for the rest, which the pass
+        writes the chunk into (``ModelRunner.forward_mixed``'s ``into``), else None."""
+        work = self.prefiller.work_dtype
         chunks = [list(j.req.prompt_token_ids[j.done : j.done + n])
                   for j, n in zip(self.rows, self.sizes, strict=True)]
-        return chunks, [j.kv(self.prefiller.work_dtype) for j in self.rows]
+        self.in_place = [work is not None and j.done > 0 for j in self.rows]
+        past = [j.kv(work, room=room) for j, room in zip(self.rows, self.in_place, strict=True)]
+        into = [j.whole if room else None
+                for j, room in zip(self.rows, self.in_place, strict=True)]
+        return chunks, past, into
 
     def complete(self, logits: torch.Tensor, kvs: list[torch.Tensor], start: float) -> None:
-        self.packages = self.prefiller.complete(self.rows, self.sizes, logits, kvs, start)
+        self.packages = self.prefiller.complete(self.rows, self.sizes, logits, kvs, start,
+                                                self.in_place)
         self.elapsed = time.perf_counter() - start
 
 
@@ -300,15 +312,16 @@ class Prefiller:
 
     def complete(self, rows: list[PrefillJob], sizes: list[int], logits: torch.Tensor,
                  kvs: list[torch.Tensor], start: float,
-                 in_place: bool = False) -> list[KVPackage | None]:
+                 in_place: bool | list[bool] = False) -> list[KVPackage | None]:
         """After a pass computed ``sizes[i]`` more tokens of each row (``logits`` at each
-        chunk's last token, ``kvs`` each chunk's KV, ``in_place``: already in the one row's
-        ``whole``; ``start``: the pass's ``perf_counter``): the rows advance, and each row
-        whose prompt this finished gets its first token(s) and its package (None for the
-        others)."""
-        for job, n, kv in zip(rows, sizes, kvs, strict=True):
+        chunk's last token, ``kvs`` each chunk's KV, ``in_place``: already in the row's
+        ``whole``, for every row or per row; ``start``: the pass's ``perf_counter``): the
+        rows advance, and each row whose prompt this finished gets its first token(s) and
+        its package (None for the others)."""
+        flags = in_place if isinstance(in_place, list) else [in_place] * len(rows)
+        for job, n, kv, placed in zip(rows, sizes, kvs, flags, strict=True):
             assert kv.shape[3] == n
-            if in_place:
+            if placed:
                 job.in_whole += n
             else:
                 job.parts.append(kv)

@@ -27,6 +27,9 @@ class PrefillCollector:
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.past = past
         self.into, self.start = into, start
+        # whether the layers' keys/values are read after the layer (``row_kvs``): with
+        # ``into`` they are copied there at once, so the caller may hand views of a buffer
+        self.keeps_kv = into is None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [B, kv_heads, S, head_dim]

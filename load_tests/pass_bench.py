@@ -11,13 +11,18 @@ Prints, per variant, the median (min-max) over interleaved rounds of:
   248-token prompt chunk, the colocated app's pass while streams run;
 * ``mixed_long_ms``: the same with 4 decode rows at 1,024-token contexts and a 252-token
   chunk (the colocated app under W-long: long prompts' streams beside the next one's chunk);
+* ``mixed_doc_ms``: a 4,032-token prompt in 16 such mixed passes, each later chunk written
+  straight into the prompt's KV so far (``forward_mixed``'s ``into``, as ``ChunkPlan``
+  hands it);
 
 and, for a variant ``X`` run beside ``X+modules`` (the same engine with ``kernels.fused_layers:
 false``: the model's modules around the same kernels) or ``X+fp32attn`` (prefill attention
 with float32 products where X takes bf16 ones: ``app.prefill_attention``) or ``X+gather``
 (a mixed pass's decode rows over a gathered copy of their blocks where X reads the pool in
-place: ``app.attention.MixedCacheView``), the ratio of X to it per round. Variants:
-``dtype[+modules][+fp32attn][+gather]`` with dtype float32, bfloat16 (bf16 panels) or auto.
+place: ``app.attention.MixedCacheView``) or ``X+copy`` (``mixed_doc_ms``'s chunks each
+joined to a copy of their past, a layer at a time, and copied out after the pass), the
+ratio of X to it per round. Variants: ``dtype[+modules][+fp32attn][+gather][+copy]`` with
+dtype float32, bfloat16 (bf16 panels) or auto.
 
     python -m load_tests.pass_bench [--threads 2] [--rounds 5]
         [--variants bfloat16,bfloat16+fp32attn,bfloat16+modules,float32,float32+modules]
@@ -43,9 +48,10 @@ from app.sampling import SamplingParams
 
 PROMPT, CHUNK, ROWS, CONTEXT = 1024, 256, 8, 64
 LONG_ROWS, LONG_CONTEXT = 4, 1024
+DOC_CHUNKS = 16  # mixed_doc_ms: a prompt of this many (CHUNK - LONG_ROWS)-token chunks
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-FIGURES = ("whole1024_ms", "chunked1024_ms", "mixed_ms", "mixed_long_ms")
-FLAGS = ("modules", "fp32attn", "gather")
+FIGURES = ("whole1024_ms", "chunked1024_ms", "mixed_ms", "mixed_long_ms", "mixed_doc_ms")
+FLAGS = ("modules", "fp32attn", "gather", "copy")
 
 
 class Variant:
@@ -65,8 +71,13 @@ class Variant:
             self.runner.prefill_bf16 = False
         if "gather" in flags:
             self.runner.inplace_attention = False
+        self.copy_chunks = "copy" in flags
         rng = random.Random(1)
         self.prompt = [rng.randrange(100, 20000) for _ in range(PROMPT)]
+        self.doc = [rng.randrange(100, 20000) for _ in range(DOC_CHUNKS * (CHUNK - LONG_ROWS))]
+        # the document's KV, as a ChunkPlan's rows hold it: the runner's dtype, with room
+        _, [doc_kv] = self.runner.forward_prefill([self.doc])
+        self.doc_kv = doc_kv.to(self.runner.dtype).contiguous()
         self.cache, self.tables = self._rows(ROWS, CONTEXT)
         self.long_cache, self.long_tables = self._rows(LONG_ROWS, LONG_CONTEXT)
         self.rows: dict[str, list[float]] = {f: [] for f in FIGURES}
@@ -96,10 +107,21 @@ class Variant:
         self.runner.forward_mixed(self.long_cache, self.long_tables, [5] * LONG_ROWS,
                                   [LONG_CONTEXT] * LONG_ROWS, [self.prompt[: CHUNK - LONG_ROWS]])
 
+    def _mixed_doc(self) -> None:
+        n, whole = CHUNK - LONG_ROWS, self.doc_kv
+        for i in range(DOC_CHUNKS):
+            past = None if i == 0 else whole[:, :, :, : i * n]
+            if past is not None and self.copy_chunks:
+                past = past.contiguous()
+            self.runner.forward_mixed(self.long_cache, self.long_tables, [5] * LONG_ROWS,
+                                      [LONG_CONTEXT] * LONG_ROWS, [self.doc[i * n : (i + 1) * n]],
+                                      [past], [None if past is None or self.copy_chunks
+                                               else whole])
+
     def round(self) -> None:
         for figure, fn in (("whole1024_ms", lambda: self.runner.forward_prefill([self.prompt])),
                            ("chunked1024_ms", self._chunked), ("mixed_ms", self._mixed),
-                           ("mixed_long_ms", self._mixed_long)):
+                           ("mixed_long_ms", self._mixed_long), ("mixed_doc_ms", self._mixed_doc)):
             start = time.perf_counter()
             fn()
             self.rows[figure].append((time.perf_counter() - start) * 1e3)

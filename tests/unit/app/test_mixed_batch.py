@@ -78,6 +78,41 @@ def test_mixed_forward_equals_prefill_and_decode_run_separately(tiny_model, deco
                                        rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("decode_lengths", [[9, 30], []])
+def test_a_later_chunk_written_into_its_prompts_kv_equals_one_joined_to_a_copy(tiny_model,
+                                                                               decode_lengths):
+    """``forward_mixed``'s ``into``: a prompt's later chunk written straight into its KV so
+    far (after the ``past`` positions) attends over a view of it; the logits (decode rows'
+    and the chunk's) are the same bits as with its past joined to a copy of the chunk, the
+    chunk's KV lands in the buffer after the past, the past is untouched, and the chunk's
+    KV comes back as the view of it."""
+    runner = _core(tiny_model).runner
+    rows = len(decode_lengths)
+    tables = contiguous_tables(max(rows, 1), 64, 16)[:rows]
+    caches = [runner.make_kv_cache(16, 16) for _ in range(2)]
+    if rows:
+        _, kvs = runner.forward_prefill([_ids(n, seed=n) for n in decode_lengths])
+        for cache in caches:
+            for table, kv in zip(tables, kvs, strict=True):
+                cache.write(table, kv)
+    doc = _ids(50, seed=3)
+    _, [past] = runner.forward_prefill([doc[:21]])
+    whole = torch.full((*past.shape[:3], 50, past.shape[4]), float("nan"))
+    whole[:, :, :, :21] = past
+    tokens = [4 + i for i in range(rows)]
+    dec_a, chunk_a, [kv_a] = runner.forward_mixed(caches[0], tables, tokens, decode_lengths,
+                                                  [doc[21:40]], [past])
+    dec_b, chunk_b, [kv_b] = runner.forward_mixed(caches[1], tables, tokens, decode_lengths,
+                                                  [doc[21:40]], [whole[:, :, :, :21]], [whole])
+    assert torch.equal(chunk_a, chunk_b) and torch.equal(dec_a, dec_b)
+    assert kv_b.data_ptr() == whole[:, :, :, 21:].data_ptr() and kv_b.shape[3] == 19
+    assert torch.equal(whole[:, :, :, :21], past)
+    assert torch.equal(whole[:, :, :, 21:40].to(kv_a.dtype), kv_a)
+    assert torch.isnan(whole[:, :, :, 40:]).all()  # nothing written past the chunk
+    for table, n in zip(tables, decode_lengths, strict=True):
+        assert torch.equal(caches[1].read(table, n + 1), caches[0].read(table, n + 1))
+
+
 def test_plan_chunks_fills_the_pass_budget_after_the_decode_rows(tiny_model):
     core = _core(tiny_model, prefill_chunk_tokens=32, prefill_token_budget=4096,
                  prefill_fairness_s=1e9, prefix_cache_mb=0)
@@ -113,13 +148,17 @@ def test_a_prompt_computed_in_mixed_steps_gets_the_package_it_gets_alone(tiny_mo
     sampling = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)
     [alone] = prefiller.make_packages([PrefillRequest("alone", tuple(doc), sampling)])
     job = prefiller.new_job(PrefillRequest("doc", tuple(doc), sampling))
-    packages = []
+    packages, in_place = [], []
     while job.remaining:
         plan = prefiller.plan_chunks([job], decode_rows=len(decoder.running) or 1)
         decoder.step(plan)
         packages += plan.packages
-    # 16-token passes, one decode row: chunks of 15 + 15 + 15, each in a decode step
+        in_place += plan.in_place
+    # 16-token passes, one decode row: chunks of 15 + 15 + 15, each in a decode step; the
+    # later two written straight into the prompt's KV so far (held in the runner's dtype)
     assert decoder.mixed_steps == 3 and decoder.steps == 3
+    assert in_place == [False, True, True] and job.in_whole == 45 and job.parts == []
+    assert job.whole.dtype == core.runner.dtype
     [mixed] = [p for p in packages if p is not None]
     assert mixed.first_token == alone.first_token
     a, b = mixed.first_logprobs, alone.first_logprobs
