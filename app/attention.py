@@ -74,7 +74,7 @@ class PagedDecodeStep:
     def build(cls, cache: PagedKVCache, tables: list[list[int]],
               positions: list[int], inplace: bool = False) -> PagedDecodeStep:
         """Row ``i`` writes its new token at ``positions[i]`` and reads ``0..positions[i]``.
-        ``inplace``: for :func:`inplace_attention_unavailable`'s kernel (CPU, float32)."""
+        ``inplace``: for :func:`inplace_attention_unavailable`'s kernel (CPU, float32 or bf16)."""
         rows = len(tables)
         lengths = torch.tensor([p + 1 for p in positions])
         longest = int(lengths.max())
@@ -126,8 +126,9 @@ class PagedCacheView:
         if self.step.inplace:  # the whole pool: the kernel reads each row's own slots
             return layer[0], layer[1]
         read = self.step.read_slots[layer.device]
-        # [B * longest, kv_heads, head_dim] each
-        return layer[0].index_select(0, read), layer[1].index_select(0, read)
+        # [B * longest, kv_heads, head_dim] each, in the pass's dtype
+        return (layer[0].index_select(0, read).to(key_states.dtype),
+                layer[1].index_select(0, read).to(value_states.dtype))
 
 
 @dataclass(slots=True)
@@ -213,7 +214,8 @@ class MixedCacheView:
                 decode_kv = (layer[0], layer[1])
             else:
                 read = step.decode.read_slots[layer.device]
-                decode_kv = (layer[0].index_select(0, read), layer[1].index_select(0, read))
+                decode_kv = (layer[0].index_select(0, read).to(key_states.dtype),
+                             layer[1].index_select(0, read).to(value_states.dtype))
         new_k, new_v = key_states[:, :, rows:], value_states[:, :, rows:]
         self.keys[layer_idx], self.values[layer_idx] = new_k, new_v
         chunk_kv = []
@@ -257,13 +259,17 @@ class MixedCacheView:
 
 
 def inplace_attention_unavailable(cache_dtype: torch.dtype, devices, head_dim: int,
-                                  cache_dir=None) -> str | None:
+                                  cache_dir=None,
+                                  compute_dtype: torch.dtype = torch.float32) -> str | None:
     """Why decode attention cannot read the pool in place (the engine's CPU kernel,
-    ``app/csrc/paged_attention.c``), or None when it can."""
+    ``app/csrc/paged_attention.c``: float32 queries and sums over a float32 or bf16 pool),
+    or None when it can."""
     if any(torch.device(d).type != "cpu" for d in devices):
         return "the KV pool is not on the CPU"
-    if cache_dtype != torch.float32:
-        return "the KV pool is not float32"
+    if compute_dtype != torch.float32:
+        return f"the model computes in {compute_dtype}, the kernel in float32"
+    if cache_dtype not in (torch.float32, torch.bfloat16):
+        return "the KV pool is neither float32 nor bfloat16"
     if head_dim % 8:
         return f"head_dim {head_dim} is not a multiple of 8"
     return kernel_unavailable(cache_dir)
@@ -286,7 +292,8 @@ def _inplace_attention(query, keys, values, step: PagedDecodeStep, scaling):
     bsz, heads, _, head_dim = query.shape
     kv_heads = keys.shape[1]
     read, offsets = step.read_slots[keys.device], step.offsets
-    assert_kernel_tensors(keys=(keys, torch.float32), values=(values, torch.float32),
+    assert keys.dtype in (torch.float32, torch.bfloat16), keys.dtype
+    assert_kernel_tensors(keys=(keys, keys.dtype), values=(values, keys.dtype),
                           read=(read, torch.long), offsets=(offsets, torch.long))
     assert keys.shape == values.shape and keys.shape[2] == head_dim
     assert offsets.numel() == bsz + 1, "offsets: one more than the rows"
@@ -296,7 +303,7 @@ def _inplace_attention(query, keys, values, step: PagedDecodeStep, scaling):
         q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[0], kv_heads, head_dim,
         heads // kv_heads, read.data_ptr(), read.numel(), offsets.data_ptr(), bsz,
         head_dim ** -0.5 if scaling is None else float(scaling), out.data_ptr(),
-        torch.get_num_threads())
+        torch.get_num_threads(), keys.dtype == torch.bfloat16)
     check(rc, "paged_decode_attention")
     return out.view(bsz, 1, heads, head_dim).to(query.dtype)
 

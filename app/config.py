@@ -148,11 +148,13 @@ class EngineConfig:
     """float32, bfloat16, float16 (GPU only) or auto: bfloat16 on a GPU; on the CPU bfloat16
     where it computes bf16 products natively (AVX512-BF16 or AMX-BF16), else float32
     (resolve_dtype). On the CPU, bfloat16 holds the linear weights in bf16 panels for the
-    engine's kernels (products at bf16 rate where the CPU has native bf16) with float32 sums,
-    activations and KV pool (app.model_loader)."""
+    engine's kernels (products at bf16 rate where the CPU has native bf16) with float32 sums
+    and activations (app.model_loader), and the KV in bf16 (kv_dtype)."""
     kv_dtype: str | None = None
     """dtype of the KV package, what goes over the wire from prefill to decode (float32,
-    bfloat16 or float16); None: the same as dtype."""
+    bfloat16 or float16), and of the decode replica's KV pool where the engine's decode
+    attention kernel reads it (the CPU, float32 or bfloat16: half the pool's memory and the
+    bytes a step's attention reads; else the model's dtype); None: the same as dtype."""
     weights: str | None = None
     """None: the linear weights in the dtype; "int8": weight-only int8, one scale per output
     channel, quantized at load (CPU only: the engine's panel kernel, activations float32;

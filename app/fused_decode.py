@@ -165,7 +165,7 @@ class FusedDecode:
             for weights, pool in zip(self._weights, cache.layers, strict=True):
                 ptrs += [None if t is None else t.data_ptr() for t in weights]
                 # pool: [2, slots, kv_heads, head_dim]
-                assert pool.is_contiguous() and pool.dtype == torch.float32
+                assert pool.is_contiguous() and pool.dtype in (torch.float32, torch.bfloat16)
                 assert pool.shape == cache.layers[0].shape  # one slot count for every layer
                 ptrs += [pool[0].data_ptr(), pool[1].data_ptr()]
             self._table = (ctypes.c_void_p * len(ptrs))(*ptrs)
@@ -198,6 +198,7 @@ class FusedDecode:
             self.lm_head.panels.data_ptr(),
             None if head_bias is None else head_bias.data_ptr(), self.vocab,
             logits.data_ptr(), torch.get_num_threads(), self.wtype,
-            None if self.lm_head.weight_scale is None else self.lm_head.weight_scale.data_ptr())
+            None if self.lm_head.weight_scale is None else self.lm_head.weight_scale.data_ptr(),
+            cache.layers[0].dtype == torch.bfloat16)
         check(rc, "decode_step")
         return logits

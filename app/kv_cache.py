@@ -79,7 +79,7 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """The block pool's storage, in the model's dtype: per layer ``[2, slots, kv_heads,
+    """The block pool's storage, in the runner's ``pool_dtype``: per layer ``[2, slots, kv_heads,
     head_dim]`` (keys, values), ``slots = num_blocks * block_size``.
 
     On the CPU the pool is reserved, not written: pages are touched only as blocks fill.

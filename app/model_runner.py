@@ -136,12 +136,16 @@ class ModelRunner:
         sdpa_note = serving_sdpa_backends(devices)
         if sdpa_note:
             logger.info("%s", sdpa_note)
-        # decode attention reads the pool in place with the engine's CPU kernel where it can
+        # decode attention reads the pool in place with the engine's CPU kernel where it can;
+        # the pool then holds the KV dtype (bf16: half the bytes a step reads), else the
+        # model's compute dtype
         kernels = config.kernels
         reason = (None if kernels.attention else "turned off (kernels.attention: false)")
+        pool = self.kv_dtype if self.kv_dtype in (torch.float32, torch.bfloat16) else self.dtype
         self.inplace_reason = reason or inplace_attention_unavailable(
-            self.dtype, devices, self.shape.head_dim, config.resolved_cache_dir)
+            pool, devices, self.shape.head_dim, config.resolved_cache_dir, self.dtype)
         self.inplace_attention = self.inplace_reason is None
+        self.pool_dtype = pool if self.inplace_attention else self.dtype
         # prefill passes (and mixed passes' chunks) attend through the engine's kernel
         self.prefill_attention_reason = reason or prefill_attention_unavailable(
             self.dtype, devices, self.shape.head_dim, config.resolved_cache_dir)
@@ -304,9 +308,9 @@ class ModelRunner:
     # ---- decode -------------------------------------------------------------------------
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        """The decode pool: ``num_blocks`` blocks of ``block_size`` tokens per layer, in the
-        model's dtype (a package is cast once when it joins, never on every step)."""
-        return PagedKVCache(self.layout, self.spans, num_blocks, block_size, self.dtype)
+        """The decode pool: ``num_blocks`` blocks of ``block_size`` tokens per layer, in
+        ``pool_dtype`` (a package is cast once when it joins, never on every step)."""
+        return PagedKVCache(self.layout, self.spans, num_blocks, block_size, self.pool_dtype)
 
     @torch.inference_mode()
     def decode(self, cache: PagedKVCache, tables: list[list[int]], token_ids: list[int],

@@ -5,7 +5,8 @@ kernel's layout, ``app.packed_linear``: the engine's own panel kernel where it b
 oneDNN's with ``+packed+onednn``; ``+gather`` for decode attention through a gathered copy and
 SDPA instead of the in-place kernel, ``app.attention``; ``+unfused`` for a decode step
 through the model's modules instead of one call to the fused kernel, ``app.fused_decode``;
-``+avx2`` for the panel kernel kept to its AVX2 tiles on a CPU that has AVX-512; ``+int8``
+``+avx2`` for the panel kernel kept to its AVX2 tiles on a CPU that has AVX-512; ``+kvf32``
+for a float32 KV pool (and packages) where the dtype would hold them in bf16; ``+int8``
 for weight-only int8 panels (``EngineConfig.weights``; a ``bfloat16+packed`` variant holds
 bf16 panels, app.packed_linear.weight_plan); side by
 side, interleaved in rounds so that a busy spell of a shared machine hits every figure alike):
@@ -132,12 +133,14 @@ class Variant:
     def __init__(self, name: str, threads: int, prefill: bool = True,
                  model: str = DEFAULT_MODEL) -> None:
         dtype, *flags = name.split("+")
-        unknown = set(flags) - {"packed", "onednn", "gather", "unfused", "avx2", "int8"}
+        unknown = set(flags) - {"packed", "onednn", "gather", "unfused", "avx2", "int8",
+                                "kvf32"}
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
         self.core = EngineCore(EngineConfig(model=model, dtype=dtype,
                                             num_threads=threads,
                                             weights="int8" if "int8" in flags else None,
+                                            kv_dtype="float32" if "kvf32" in flags else None,
                                             kernels=KernelConfig(
                                                 linear=("torch" if "packed" not in flags
                                                         else "onednn" if "onednn" in flags

@@ -18,7 +18,8 @@
  * panels (float32, bf16 or int8, one kind for the whole model: wtype, as panel_linear_w) of q/k/v side by side (one product for all three: the 192-wide k and v products
  * alone stream too little to reach the memory's speed), the output product's, gate/up side
  * by side, down, any biases (NULL when absent), int8 panels' column scales, and the layer's KV pool (keys, values:
- * [slots, kv_heads, head_dim] each). Row b writes its new key and value at write[b] and
+ * [slots, kv_heads, head_dim] each, float32 or (kv_bf16) bf16, rounded to nearest even as
+ * torch rounds a float32 tensor to bf16). Row b writes its new key and value at write[b] and
  * attends the slots read[offsets[b] .. offsets[b + 1]) (its own, in position order,
  * the new one last). Those indices are checked against the pool's `slots` and read's
  * `nread` entries before anything is written (paged_slots_check).
@@ -27,6 +28,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -55,6 +57,24 @@ enum {
 
 long decode_step_layer_ptrs(void) { return LAYER_PTRS; }
 
+/* n float32 values into the pool at dst: as they are, or (bf) rounded to bf16, nearest
+   even (a NaN as torch's, 0x7fc0), as torch's float32 -> bfloat16 conversion rounds. */
+static void store_kv(void *dst, const float *src, long n, int bf) {
+    if (!bf) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *out = dst;
+    for (long i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof u);
+        if ((u & 0x7fffffffu) > 0x7f800000u)
+            out[i] = 0x7fc0u; /* torch's NaN */
+        else
+            out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
 /* hidden [m, H] (updated in place) through n_layers layers; then, when head is not NULL,
    the final norm and the LM head's product into logits [m, vocab]. cos, sin: [m, hd].
    Returns SK_OK; SK_UNSUPPORTED for a head_dim the kernels do not take; SK_BAD_SHAPE for
@@ -65,7 +85,7 @@ int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hs
                 const float *sin, float eps, float scale, const long *write, const long *read,
                 long nread, const long *offsets, long slots, const float *final_norm,
                 const float *head, const float *head_bias, long vocab, float *logits,
-                int threads, int wtype, const float *head_scale) {
+                int threads, int wtype, const float *head_scale, int kv_bf16) {
     if (m < 1 || n_layers < 0 || hsize < 1 || inter < 1 || heads < 1 || kv_heads < 1
         || heads % kv_heads != 0 || hd < 1 || vocab < 1 || threads < 1 || ptrs == NULL
         || hidden == NULL || cos == NULL || sin == NULL || write == NULL)
@@ -85,7 +105,8 @@ int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hs
     panel_linear_w(in, m, k, w[P], wtype, w[P##_SCALE], n, w[P##_BIAS], out, threads)
     for (long l = 0; l < n_layers && rc == 0; l++) {
         void *const *w = ptrs + l * LAYER_PTRS;
-        float *keys = w[KEYS], *values = w[VALUES];
+        char *keys = w[KEYS], *values = w[VALUES];
+        long es = kv_bf16 ? 2 : 4; /* the pool's element size */
         rms_norm(hidden, m, hsize, w[IN_NORM], eps, xn);
         rc = LINEAR(xn, hsize, QKV, nqkv, wide);
         if (rc != 0) break;
@@ -94,11 +115,11 @@ int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hs
             rope(row, heads, hd, cos + b * hd, sin + b * hd);
             rope(row + nq, kv_heads, hd, cos + b * hd, sin + b * hd);
             memcpy(q + b * nq, row, sizeof(float) * nq);
-            memcpy(keys + write[b] * nkv, row + nq, sizeof(float) * nkv);
-            memcpy(values + write[b] * nkv, row + nq + nkv, sizeof(float) * nkv);
+            store_kv(keys + write[b] * nkv * es, row + nq, nkv, kv_bf16);
+            store_kv(values + write[b] * nkv * es, row + nq + nkv, nkv, kv_bf16);
         }
         rc = paged_decode_attention(q, keys, values, slots, kv_heads, hd, heads / kv_heads,
-                                    read, nread, offsets, m, scale, att, threads);
+                                    read, nread, offsets, m, scale, att, threads, kv_bf16);
         if (rc != SK_OK) break;
         rc = LINEAR(att, nq, O, hsize, tmp);
         add_into(hidden, tmp, m * hsize);

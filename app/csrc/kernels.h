@@ -58,10 +58,10 @@ int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const f
                 const float *scale, float *y, int threads);
 
 /* paged_attention.c: decode attention read in place from the paged pool */
-int paged_decode_attention(const float *q, const float *keys, const float *values, long slots,
+int paged_decode_attention(const float *q, const void *keys, const void *values, long slots,
                            long kv_heads, long hd, long group, const long *read, long nread,
                            const long *offsets, long rows, float scale, float *out,
-                           int threads);
+                           int threads, int kv_bf16);
 int paged_slots_check(const long *write, long rows, const long *read, long nread,
                       const long *offsets, long slots);
 
@@ -72,7 +72,7 @@ int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hs
                 const float *sin, float eps, float scale, const long *write, const long *read,
                 long nread, const long *offsets, long slots, const float *final_norm,
                 const float *head, const float *head_bias, long vocab, float *logits,
-                int threads, int wtype, const float *head_scale);
+                int threads, int wtype, const float *head_scale, int kv_bf16);
 
 /* prefill_layer.c: a Llama-style layer of a prefill or mixed pass, around its attention */
 int layer_qkv(const float *hidden, long m, long hsize, const float *norm_w, float eps,

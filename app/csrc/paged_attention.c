@@ -13,7 +13,9 @@
  * goes through the general one (a dot product per key, expf). Rows x KV heads are shared out
  * over an OpenMP team of `threads` (torch's own pool, as in panel_gemm.c).
  *
- * The layer's pool is [2, slots, kv_heads, head_dim] (keys, then values), contiguous.
+ * The layer's pool is [2, slots, kv_heads, head_dim] (keys, then values), contiguous, in
+ * float32 or bf16 (kv_bf16: half the bytes read; each key and value widened to float32 in
+ * registers, a shift, so the sums are those of the float32 kernel over the same values).
  *
  * Checked before anything is read (paged_slots_check): offsets rise from 0 to at most the
  * length of read, and every slot read is within the pool (a few hundred comparisons a
@@ -27,24 +29,35 @@
 #include "kernels.h"
 #include "vec_math.h"
 
-static inline float dot8(const float *a, const float *b, long n) {
+/* Eight consecutive elements of a pool row as float32: `bf` (a constant where this is
+   inlined): bf16, widened by a shift; else float32. */
+static inline __attribute__((always_inline)) __m256 load8(const char *p, long c, int bf) {
+    if (bf)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 2 * c))), 16));
+    return _mm256_loadu_ps((const float *)p + c);
+}
+
+static inline __attribute__((always_inline)) float dot8(const float *a, const char *b, long n,
+                                                        int bf) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     long i = 0;
     for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b, i, bf), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b, i + 8, bf), s1);
     }
-    for (; i < n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    for (; i < n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b, i, bf), s0);
     return hsum8(_mm256_add_ps(s0, s1));
 }
 
-static void one_head(const float *q, const float *keys, const float *values, long kv_heads,
-                     long hd, long group, const long *slots, long n, float scale, float *out,
-                     float *scores) {
+/* keys, values: the KV head's first element in the pool; a slot's row is `stride` bytes */
+static inline __attribute__((always_inline)) void one_head(
+    const float *q, const char *keys, const char *values, long stride, long hd, long group,
+    const long *slots, long n, float scale, float *out, float *scores, int bf) {
     /* q: the group's query heads [group, hd]; out likewise; scores: [group, n] */
     for (long i = 0; i < n; i++) {
-        const float *k = keys + (slots[i] * kv_heads) * hd;
-        for (long g = 0; g < group; g++) scores[g * n + i] = dot8(q + g * hd, k, hd) * scale;
+        const char *k = keys + slots[i] * stride;
+        for (long g = 0; g < group; g++) scores[g * n + i] = dot8(q + g * hd, k, hd, bf) * scale;
     }
     for (long g = 0; g < group; g++) {
         float *s = scores + g * n;
@@ -58,10 +71,10 @@ static void one_head(const float *q, const float *keys, const float *values, lon
         float *o = out + g * hd;
         for (long d = 0; d < hd; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
         for (long i = 0; i < n; i++) {
-            const float *v = values + (slots[i] * kv_heads) * hd;
+            const char *v = values + slots[i] * stride;
             __m256 p = _mm256_set1_ps(s[i]);
             for (long d = 0; d < hd; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + d),
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, load8(v, d, bf),
                                                        _mm256_loadu_ps(o + d)));
         }
         __m256 inv = _mm256_set1_ps(1.0f / total);
@@ -84,26 +97,29 @@ static inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a
    (4 rows x 1,024 positions x 30 layers read at 7 GB/s, as without; into L2, 12-13 GB/s). */
 #define AHEAD 32
 
-/* Prefetch the 64 floats (four cache lines) of each of positions [i, i + 8) of n, into L2.
-   (always_inline: GCC takes a function of nothing but prefetches for one without effect
-   and drops its calls.) */
-static inline __attribute__((always_inline)) void prefetch8(const float *base,
+/* Prefetch the 64 elements (four cache lines in float32, two in bf16) of each of positions
+   [i, i + 8) of n, into L2. (always_inline: GCC takes a function of nothing but prefetches
+   for one without effect and drops its calls.) */
+static inline __attribute__((always_inline)) void prefetch8(const char *base,
                                                             const long *slots, long i, long n,
-                                                            long stride) {
+                                                            long stride, int bf) {
     if (i + 8 > n) return;
     for (int j = 0; j < 8; j++) {
-        const char *p = (const char *)(base + slots[i + j] * stride);
+        const char *p = base + slots[i + j] * stride;
         _mm_prefetch(p, _MM_HINT_T1);
         _mm_prefetch(p + 64, _MM_HINT_T1);
-        _mm_prefetch(p + 128, _MM_HINT_T1);
-        _mm_prefetch(p + 192, _MM_HINT_T1);
+        if (!bf) {
+            _mm_prefetch(p + 128, _MM_HINT_T1);
+            _mm_prefetch(p + 192, _MM_HINT_T1);
+        }
     }
 }
 
 /* Scores of the group's query heads against keys [i, i + 8), eight at a time with one
    horizontal pass per eight: s[g * n + i ..] for each head g. */
-static inline void scores8(const float *q, long group, const float *const *k, long n, long i,
-                           __m256 vscale, float *s) {
+static inline __attribute__((always_inline)) void scores8(
+    const float *q, long group, const char *const *k, long n, long i, __m256 vscale, float *s,
+    int bf) {
     for (long g = 0; g < group; g++) {
         const float *qg = q + g * 64;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
@@ -111,14 +127,14 @@ static inline void scores8(const float *q, long group, const float *const *k, lo
         __m256 a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
         for (long c = 0; c < 64; c += 8) {
             __m256 qc = _mm256_loadu_ps(qg + c);
-            a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[0] + c), a0);
-            a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[1] + c), a1);
-            a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[2] + c), a2);
-            a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[3] + c), a3);
-            a4 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[4] + c), a4);
-            a5 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[5] + c), a5);
-            a6 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[6] + c), a6);
-            a7 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[7] + c), a7);
+            a0 = _mm256_fmadd_ps(qc, load8(k[0], c, bf), a0);
+            a1 = _mm256_fmadd_ps(qc, load8(k[1], c, bf), a1);
+            a2 = _mm256_fmadd_ps(qc, load8(k[2], c, bf), a2);
+            a3 = _mm256_fmadd_ps(qc, load8(k[3], c, bf), a3);
+            a4 = _mm256_fmadd_ps(qc, load8(k[4], c, bf), a4);
+            a5 = _mm256_fmadd_ps(qc, load8(k[5], c, bf), a5);
+            a6 = _mm256_fmadd_ps(qc, load8(k[6], c, bf), a6);
+            a7 = _mm256_fmadd_ps(qc, load8(k[7], c, bf), a7);
         }
         _mm256_storeu_ps(s + g * n + i, _mm256_mul_ps(sum8x8(a0, a1, a2, a3, a4, a5, a6, a7),
                                                       vscale));
@@ -148,23 +164,24 @@ static float softmax_in_place(float *s, long n) {
 }
 
 /* o[0 .. 64) += p[r] * values at positions [r0, r1), in position order. */
-static inline void weigh_values(float *o, const float *p, const float *values,
-                                const long *slots, long r0, long r1, long stride) {
+static inline __attribute__((always_inline)) void weigh_values(
+    float *o, const float *p, const char *values, const long *slots, long r0, long r1,
+    long stride, int bf) {
     __m256 o0 = _mm256_loadu_ps(o), o1 = _mm256_loadu_ps(o + 8), o2 = _mm256_loadu_ps(o + 16);
     __m256 o3 = _mm256_loadu_ps(o + 24), o4 = _mm256_loadu_ps(o + 32);
     __m256 o5 = _mm256_loadu_ps(o + 40), o6 = _mm256_loadu_ps(o + 48);
     __m256 o7 = _mm256_loadu_ps(o + 56);
     for (long r = r0; r < r1; r++) {
-        const float *v = values + slots[r] * stride;
+        const char *v = values + slots[r] * stride;
         __m256 w = _mm256_set1_ps(p[r]);
-        o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), o0);
-        o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), o1);
-        o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), o2);
-        o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), o3);
-        o4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), o4);
-        o5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), o5);
-        o6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), o6);
-        o7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), o7);
+        o0 = _mm256_fmadd_ps(w, load8(v, 0, bf), o0);
+        o1 = _mm256_fmadd_ps(w, load8(v, 8, bf), o1);
+        o2 = _mm256_fmadd_ps(w, load8(v, 16, bf), o2);
+        o3 = _mm256_fmadd_ps(w, load8(v, 24, bf), o3);
+        o4 = _mm256_fmadd_ps(w, load8(v, 32, bf), o4);
+        o5 = _mm256_fmadd_ps(w, load8(v, 40, bf), o5);
+        o6 = _mm256_fmadd_ps(w, load8(v, 48, bf), o6);
+        o7 = _mm256_fmadd_ps(w, load8(v, 56, bf), o7);
     }
     _mm256_storeu_ps(o, o0);
     _mm256_storeu_ps(o + 8, o1);
@@ -177,29 +194,29 @@ static inline void weigh_values(float *o, const float *p, const float *values,
 }
 
 /* one_head for head_dim 64: each key and each value is read once for all the group's query
-   heads (a block of eight positions, 2 KB, stays in L1 while every head of the group goes
-   through it), AHEAD positions prefetched into L2. Per query head, every sum is taken in
-   the same order as for that head alone (scores eight keys at a time, one horizontal pass
-   per eight; the output's 64 sums over the positions in order), so a head's result does
-   not depend on its group or on the batch. q, out: the group's [group, 64]; scores:
-   [group, n] of scratch. */
-static void one_head64(const float *q, const float *keys, const float *values, long kv_heads,
-                       long group, const long *slots, long n, float scale, float *out,
-                       float *scores) {
-    const long hd = 64, stride = kv_heads * 64;
+   heads (a block of eight positions, 2 KB in float32, stays in L1 while every head of the
+   group goes through it), AHEAD positions prefetched into L2. Per query head, every sum is
+   taken in the same order as for that head alone (scores eight keys at a time, one
+   horizontal pass per eight; the output's 64 sums over the positions in order), so a
+   head's result does not depend on its group or on the batch. q, out: the group's
+   [group, 64]; scores: [group, n] of scratch; a slot's row is `stride` bytes. */
+static inline __attribute__((always_inline)) void one_head64(
+    const float *q, const char *keys, const char *values, long stride, long group,
+    const long *slots, long n, float scale, float *out, float *scores, int bf) {
+    const long hd = 64;
     __m256 vscale = _mm256_set1_ps(scale);
-    for (long i = 0; i < AHEAD && i < n; i += 8) prefetch8(keys, slots, i, n, stride);
+    for (long i = 0; i < AHEAD && i < n; i += 8) prefetch8(keys, slots, i, n, stride, bf);
     long i = 0;
     for (; i + 8 <= n; i += 8) {
-        const float *k[8];
+        const char *k[8];
         for (int j = 0; j < 8; j++) k[j] = keys + slots[i + j] * stride;
-        prefetch8(keys, slots, i + AHEAD, n, stride);
-        scores8(q, group, k, n, i, vscale, scores);
+        prefetch8(keys, slots, i + AHEAD, n, stride, bf);
+        scores8(q, group, k, n, i, vscale, scores, bf);
     }
     for (; i < n; i++)
         for (long g = 0; g < group; g++)
-            scores[g * n + i] = dot8(q + g * hd, keys + slots[i] * stride, hd) * scale;
-    for (long r = 0; r < AHEAD && r < n; r += 8) prefetch8(values, slots, r, n, stride);
+            scores[g * n + i] = dot8(q + g * hd, keys + slots[i] * stride, hd, bf) * scale;
+    for (long r = 0; r < AHEAD && r < n; r += 8) prefetch8(values, slots, r, n, stride, bf);
     float total[group];
     for (long g = 0; g < group; g++) {
         total[g] = softmax_in_place(scores + g * n, n);
@@ -207,9 +224,9 @@ static void one_head64(const float *q, const float *keys, const float *values, l
     }
     for (long r0 = 0; r0 < n; r0 += 8) {
         long r1 = r0 + 8 < n ? r0 + 8 : n;
-        prefetch8(values, slots, r0 + AHEAD, n, stride);
+        prefetch8(values, slots, r0 + AHEAD, n, stride, bf);
         for (long g = 0; g < group; g++)
-            weigh_values(out + g * hd, scores + g * n, values, slots, r0, r1, stride);
+            weigh_values(out + g * hd, scores + g * n, values, slots, r0, r1, stride, bf);
     }
     for (long g = 0; g < group; g++) {
         __m256 inv = _mm256_set1_ps(1.0f / total[g]);
@@ -217,6 +234,26 @@ static void one_head64(const float *q, const float *keys, const float *values, l
         for (long d = 0; d < hd; d += 8)
             _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
     }
+}
+
+/* The two heads' paths compiled once per pool dtype (bf: a constant in each). */
+static void head64_f32(const float *q, const char *k, const char *v, long stride, long group,
+                       const long *slots, long n, float scale, float *out, float *scores) {
+    one_head64(q, k, v, stride, group, slots, n, scale, out, scores, 0);
+}
+static void head64_bf16(const float *q, const char *k, const char *v, long stride, long group,
+                        const long *slots, long n, float scale, float *out, float *scores) {
+    one_head64(q, k, v, stride, group, slots, n, scale, out, scores, 1);
+}
+static void head_f32(const float *q, const char *k, const char *v, long stride, long hd,
+                     long group, const long *slots, long n, float scale, float *out,
+                     float *scores) {
+    one_head(q, k, v, stride, hd, group, slots, n, scale, out, scores, 0);
+}
+static void head_bf16(const float *q, const char *k, const char *v, long stride, long hd,
+                      long group, const long *slots, long n, float scale, float *out,
+                      float *scores) {
+    one_head(q, k, v, stride, hd, group, slots, n, scale, out, scores, 1);
 }
 
 /* rows' new slots write[0 .. rows) (NULL: none) and the slots they read, read[offsets[b] ..
@@ -238,13 +275,13 @@ int paged_slots_check(const long *write, long rows, const long *read, long nread
     return SK_OK;
 }
 
-/* q, out: [rows, kv_heads * group, hd]; keys, values: [slots, kv_heads, hd]. Returns SK_OK,
-   SK_UNSUPPORTED when hd is not a multiple of 8, SK_BAD_SHAPE for counts out of range,
-   paged_slots_check's statuses, or SK_NO_MEMORY. */
-int paged_decode_attention(const float *q, const float *keys, const float *values, long slots,
+/* q, out: [rows, kv_heads * group, hd]; keys, values: [slots, kv_heads, hd], float32 or
+   (kv_bf16) bf16. Returns SK_OK, SK_UNSUPPORTED when hd is not a multiple of 8,
+   SK_BAD_SHAPE for counts out of range, paged_slots_check's statuses, or SK_NO_MEMORY. */
+int paged_decode_attention(const float *q, const void *keys, const void *values, long slots,
                            long kv_heads, long hd, long group, const long *read, long nread,
                            const long *offsets, long rows, float scale, float *out,
-                           int threads) {
+                           int threads, int kv_bf16) {
     if (kv_heads < 1 || group < 1 || hd < 1 || threads < 1) return SK_BAD_SHAPE;
     if (hd % 8 != 0) return SK_UNSUPPORTED;
     int status = paged_slots_check(NULL, rows, read, nread, offsets, slots);
@@ -259,6 +296,7 @@ int paged_decode_attention(const float *q, const float *keys, const float *value
     long tasks = rows * kv_heads;
     if (threads < 1 || tasks * longest < 4096) threads = 1;
     long per = group * (longest > 0 ? longest : 1);
+    long es = kv_bf16 ? 2 : 4, stride = kv_heads * hd * es; /* a slot's row, in bytes */
     float *scratch = malloc(sizeof(float) * (size_t)(per * threads));
     if (scratch == NULL) return SK_NO_MEMORY;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -267,12 +305,13 @@ int paged_decode_attention(const float *q, const float *keys, const float *value
         long b = t / kv_heads, h = t % kv_heads;
         long n = offsets[b + 1] - offsets[b];
         long head0 = (b * kv_heads + h) * group * hd;
+        const char *k = (const char *)keys + h * hd * es, *v = (const char *)values + h * hd * es;
         if (n > 0 && hd == 64) {
-            one_head64(q + head0, keys + h * hd, values + h * hd, kv_heads, group,
-                       read + offsets[b], n, scale, out + head0, scores);
+            (kv_bf16 ? head64_bf16 : head64_f32)(q + head0, k, v, stride, group,
+                                                 read + offsets[b], n, scale, out + head0, scores);
         } else if (n > 0) {
-            one_head(q + head0, keys + h * hd, values + h * hd, kv_heads, hd, group,
-                     read + offsets[b], n, scale, out + head0, scores);
+            (kv_bf16 ? head_bf16 : head_f32)(q + head0, k, v, stride, hd, group,
+                                             read + offsets[b], n, scale, out + head0, scores);
         } else {
             for (long i = 0; i < group * hd; i++) out[head0 + i] = 0.0f;
         }

@@ -200,12 +200,80 @@ def test_in_place_attention_equals_sdpa_over_each_rows_own_slots(head_dim, threa
     assert lib.paged_decode_attention(
         q.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(), slots, kv_heads, head_dim, group,
         read.data_ptr(), read.numel(), offsets.data_ptr(), len(lengths), 0.125, out.data_ptr(),
-        threads) == 0
+        threads, 0) == 0
     for b, slots_b in enumerate(per_row):
         k = pool[0, slots_b].transpose(0, 1).repeat_interleave(group, 0)  # [heads, n, hd]
         v = pool[1, slots_b].transpose(0, 1).repeat_interleave(group, 0)
         ref = F.scaled_dot_product_attention(q[b][:, None], k, v, scale=0.125)[:, 0]
         torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_in_place_attention_over_a_bf16_pool_is_the_float32_kernel_over_its_values(head_dim,
+                                                                                   threads):
+    """A bf16 pool (kv_bf16): each key and value widened to float32 in registers, so the
+    output is, to the bit, the float32 kernel's over a pool holding the same values."""
+    torch.manual_seed(3)
+    lib = cpu_kernels.load_kernel()
+    kv_heads, group, slots = 3, 3, 1024
+    pool = torch.randn(2, slots, kv_heads, head_dim).to(torch.bfloat16)
+    wide = pool.float()
+    lengths = [1, 9, 64, 333]
+    read = torch.randperm(slots)[: sum(lengths)]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q = torch.randn(len(lengths), kv_heads * group, head_dim)
+    outs = []
+    for p, bf in ((pool, 1), (wide, 0)):
+        out = torch.empty_like(q)
+        assert lib.paged_decode_attention(
+            q.data_ptr(), p[0].data_ptr(), p[1].data_ptr(), slots, kv_heads, head_dim, group,
+            read.data_ptr(), read.numel(), offsets.data_ptr(), len(lengths), 0.125,
+            out.data_ptr(), threads, bf) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_float32_model_with_bf16_kv_keeps_a_bf16_pool_and_rounds_as_torch(monkeypatch):
+    """kv_dtype bfloat16 on a float32 model: the decode pool is bf16 (half the bytes a step's
+    attention reads) where the in-place kernel reads it, and the fused decode step writes a
+    new key/value rounded to bf16 as torch rounds it (nearest even): layer 0's write equals
+    torch's rounding of what a float32 pool receives; a package joins it as a plain copy;
+    with the kernel turned off, the pool stays float32."""
+    from app.kv_cache import contiguous_tables
+    from app.model_runner import ModelRunner
+    from tests.conftest import make_tiny_model
+
+    runners = {}
+    for kv in ("bfloat16", "float32"):
+        model = make_tiny_model(seed=7)
+        pack_linears(model, layout="panels")
+        runners[kv] = ModelRunner(model, EngineConfig(kv_dtype=kv))
+    bf, f32 = runners["bfloat16"], runners["float32"]
+    if not bf.inplace_attention:
+        pytest.skip(f"in-place decode attention unavailable: {bf.inplace_reason}")
+    assert bf.pool_dtype == torch.bfloat16 and f32.pool_dtype == torch.float32
+    assert bf.fused is not None and bf.kernel_paths()["decode_step"] == "fused"
+    prompts = [list(range(40, 77)), [9, 8, 7, 6, 5]]
+    tables = contiguous_tables(2, 64, 16)
+    results = {}
+    for kv, runner in runners.items():
+        cache = runner.make_kv_cache(8, 16)
+        assert cache.layers[0].dtype == runner.pool_dtype
+        _, pkgs = runner.forward_prefill(prompts)
+        for table, pkg in zip(tables, pkgs, strict=True):
+            cache.write(table, pkg)
+        runner.decode(cache, tables, [3, 4], [len(p) for p in prompts])
+        results[kv] = [cache.read(t, len(p) + 1) for t, p in zip(tables, prompts, strict=True)]
+    for got, want, p in zip(results["bfloat16"], results["float32"], prompts, strict=True):
+        assert got.dtype == torch.bfloat16
+        # the package's positions (the same prefill) and layer 0's new one: torch's rounding
+        assert torch.equal(got[:, :, :, : len(p)], want[:, :, :, : len(p)].to(torch.bfloat16))
+        assert torch.equal(got[0, :, :, len(p)], want[0, :, :, len(p)].to(torch.bfloat16))
+    off = make_tiny_model(seed=7)
+    pack_linears(off, layout="panels")
+    runner = ModelRunner(off, EngineConfig(kv_dtype="bfloat16", kernels={"attention": False}))
+    assert runner.pool_dtype == torch.float32 and not runner.inplace_attention
 
 
 def test_in_place_attention_gives_a_row_the_same_bits_alone_and_in_a_batch():
@@ -229,7 +297,7 @@ def test_in_place_attention_gives_a_row_the_same_bits_alone_and_in_a_batch():
         assert lib.paged_decode_attention(
             qs.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(), slots, kv_heads, hd, group,
             r.data_ptr(), r.numel(), offsets.data_ptr(), len(rows), 0.125, out.data_ptr(),
-            threads) == 0
+            threads, 0) == 0
         return out
 
     batch = attend([0, 1, 2], 1)

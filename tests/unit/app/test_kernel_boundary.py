@@ -59,7 +59,7 @@ FUZZ = textwrap.dedent("""
     def attn(read, offsets, rows=2, nread=None, s=slots, hd_=hd):
         return lib.paged_decode_attention(P(q), P(pool[0]), P(pool[1]), s, kvh, hd_, group,
             P(read), read.numel() if nread is None else nread, P(offsets), rows, 0.25,
-            P(out), 1)
+            P(out), 1, 0)
     ok = L(0, 1, 2, 3)
     cases = {
         "attention ok": (attn(ok, L(0, 2, 4)), 0),
