@@ -78,9 +78,11 @@ def test_mixed_forward_equals_prefill_and_decode_run_separately(tiny_model, deco
                                        rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("doc_first", [False, True])
 @pytest.mark.parametrize("decode_lengths", [[9, 30], []])
 def test_a_later_chunk_written_into_its_prompts_kv_equals_one_joined_to_a_copy(tiny_model,
-                                                                               decode_lengths):
+                                                                               decode_lengths,
+                                                                               doc_first):
     """``forward_mixed``'s ``into``: a prompt's later chunk written straight into its KV so
     far (after the ``past`` positions) attends over a view of it; the logits (decode rows'
     and the chunk's) are the same bits as with its past joined to a copy of the chunk, the
@@ -95,16 +97,25 @@ def test_a_later_chunk_written_into_its_prompts_kv_equals_one_joined_to_a_copy(t
         for cache in caches:
             for table, kv in zip(tables, kvs, strict=True):
                 cache.write(table, kv)
-    doc = _ids(50, seed=3)
+    doc, fresh = _ids(50, seed=3), _ids(13, seed=4)
     _, [past] = runner.forward_prefill([doc[:21]])
     whole = torch.full((*past.shape[:3], 50, past.shape[4]), float("nan"))
     whole[:, :, :, :21] = past
     tokens = [4 + i for i in range(rows)]
-    dec_a, chunk_a, [kv_a] = runner.forward_mixed(caches[0], tables, tokens, decode_lengths,
-                                                  [doc[21:40]], [past])
-    dec_b, chunk_b, [kv_b] = runner.forward_mixed(caches[1], tables, tokens, decode_lengths,
-                                                  [doc[21:40]], [whole[:, :, :, :21]], [whole])
+    # beside a fresh prompt's chunk, before or after it
+    order = [1, 0] if doc_first else [0, 1]
+    chunks = [[fresh, doc[21:40]][i] for i in order]
+
+    def run(cache, past_doc, into_doc):
+        dec, logits, kvs = runner.forward_mixed(
+            cache, tables, tokens, decode_lengths, chunks,
+            [[None, past_doc][i] for i in order], [[None, into_doc][i] for i in order])
+        return dec, logits, [kvs[order.index(i)] for i in (0, 1)]
+
+    dec_a, chunk_a, [fresh_a, kv_a] = run(caches[0], past, None)
+    dec_b, chunk_b, [fresh_b, kv_b] = run(caches[1], whole[:, :, :, :21], whole)
     assert torch.equal(chunk_a, chunk_b) and torch.equal(dec_a, dec_b)
+    assert torch.equal(fresh_a, fresh_b) and fresh_b.is_contiguous()
     assert kv_b.data_ptr() == whole[:, :, :, 21:].data_ptr() and kv_b.shape[3] == 19
     assert torch.equal(whole[:, :, :, :21], past)
     assert torch.equal(whole[:, :, :, 21:40].to(kv_a.dtype), kv_a)
