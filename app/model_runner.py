@@ -348,9 +348,9 @@ class ModelRunner:
         (decode rows first, then each chunk), so each linear layer runs once over every
         token; only attention is per group (``app.attention.MixedStep``).
 
-        ``into[i]`` (a prompt's later chunk): the prompt's KV so far, ``[layers, 2,
+        ``into[i]`` (a chunk of a prompt of several): the prompt's KV, ``[layers, 2,
         kv_heads, N, head_dim]`` in the runner's dtype, its first ``past[i].shape[3]``
-        positions filled (``past[i]`` is the view of them) and room for the chunk: the
+        positions filled (``past[i]`` is the view of them, maybe empty) and room for the chunk: the
         chunk's keys/values are written there and it attends over a view of it, as
         :meth:`forward_prefill`'s ``into`` (no past + chunk concatenation a layer, no copy
         of the chunk afterwards).

@@ -18,11 +18,9 @@ Which prompts share a pass (``Prefiller.plan_pass``):
   (a 64-token chat is not padded to a 256-token chunk). Several documents do not share one
   long pass: a prompt that arrives waits for at most one pass of that size;
 * a pass takes no more prompts once it holds ``prefill_batch_tokens`` (when set): each
-  prompt in a pass waits for all of it, and where a pass of that many tokens already
-  computes about as fast per token as a longer one (on a CPU, the setting of
-  ``serve_configs/local.yaml``: BENCHMARKS.md §4), a wave of eight chats is answered two at a
-  time, the first after a quarter of the wave's compute, not all of them after the whole of
-  it;
+  prompt in a pass waits for all of it, and where such a pass computes about as fast per
+  token as a longer one (a CPU, ``serve_configs/local.yaml``: BENCHMARKS.md §4), a wave of
+  eight chats is answered two at a time, not all of them after the whole wave's compute;
 * preemption between layers: a server runs a pass ``prefill_preempt_layers`` layers at a
   time (``start_pass``, ``advance``), and a prompt that arrived meanwhile needing at most
   half the pass's tokens gets a pass of its own before the rest
@@ -139,10 +137,11 @@ class ChunkPlan:
         for a prompt's later chunk (where the runner holds a prompt's KV so far in its own
         dtype: ``Prefiller.work_dtype``), that KV with room for the rest, which the pass
         writes the chunk into (``ModelRunner.forward_mixed``'s ``into``), else None."""
-        work = self.prefiller.work_dtype
         chunks = [list(j.req.prompt_token_ids[j.done : j.done + n])
                   for j, n in zip(self.rows, self.sizes, strict=True)]
-        self.in_place = [work is not None and j.done > 0 for j in self.rows]
+        self.in_place = [self.prefiller.room(j, n) for j, n in zip(self.rows, self.sizes,
+                                                                   strict=True)]
+        work = self.prefiller.work_dtype
         past = [j.kv(work, room=room) for j, room in zip(self.rows, self.in_place, strict=True)]
         into = [j.whole if room else None
                 for j, room in zip(self.rows, self.in_place, strict=True)]
@@ -195,6 +194,19 @@ class Prefiller:
         runner's, so that its next pass writes its chunk in place; None where it cannot."""
         r = self.runner
         return r.dtype if r.room_for_chunks(r.dtype, r.kv_device) else None
+
+    def room(self, job: PrefillJob, n: int) -> bool:
+        """Whether ``job``'s next ``n`` tokens go straight into its KV so far (``whole``, in
+        ``work_dtype``; made now for a prompt's first of several chunks), not for a prompt
+        that is this one chunk."""
+        work = self.work_dtype
+        if work is None or (job.done == 0 and job.remaining <= n):
+            return False
+        if job.whole is None and not job.parts:
+            lay = self.runner.layout
+            job.whole = torch.empty((lay.num_layers, 2, lay.num_kv_heads, job.req.num_tokens,
+                                     lay.head_dim), dtype=work, device=self.runner.kv_device)
+        return True
 
     def validate(self, req: PrefillRequest) -> None:
         validate_prompt(
@@ -274,10 +286,9 @@ class Prefiller:
         """A pass over each row's next chunk, not yet run (:meth:`advance` runs it)."""
         chunks = [list(j.req.prompt_token_ids[j.done : j.done + self.chunk_of(j)])
                   for j in rows]
-        # a prompt's later chunks, alone in their pass: written straight into its KV so far
-        work = self.work_dtype
-        in_place = len(rows) == 1 and rows[0].done > 0 and work is not None
-        past = [j.kv(work, room=in_place) for j in rows]
+        # a prompt's chunks, alone in their pass: written straight into its KV so far
+        in_place = len(rows) == 1 and self.room(rows[0], len(chunks[0]))
+        past = [j.kv(self.work_dtype, room=in_place) for j in rows]
         steps = self.runner.prefill_layers(
             chunks, past if any(p is not None for p in past) else None,
             rows[0].whole if in_place else None)

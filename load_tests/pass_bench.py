@@ -109,14 +109,13 @@ class Variant:
 
     def _mixed_doc(self) -> None:
         n, whole = CHUNK - LONG_ROWS, self.doc_kv
-        for i in range(DOC_CHUNKS):
-            past = None if i == 0 else whole[:, :, :, : i * n]
-            if past is not None and self.copy_chunks:
-                past = past.contiguous()
+        for i in range(DOC_CHUNKS):  # as ChunkPlan hands them: every chunk in place
+            past = whole[:, :, :, : i * n]
+            if self.copy_chunks:
+                past = None if i == 0 else past.contiguous()
             self.runner.forward_mixed(self.long_cache, self.long_tables, [5] * LONG_ROWS,
                                       [LONG_CONTEXT] * LONG_ROWS, [self.doc[i * n : (i + 1) * n]],
-                                      [past], [None if past is None or self.copy_chunks
-                                               else whole])
+                                      [past], [None if self.copy_chunks else whole])
 
     def round(self) -> None:
         for figure, fn in (("whole1024_ms", lambda: self.runner.forward_prefill([self.prompt])),

@@ -135,6 +135,12 @@ def test_plan_chunks_fills_the_pass_budget_after_the_decode_rows(tiny_model):
     assert [j.req.num_tokens for j in plan.rows] == [6, 10, 100]
     assert plan.sizes == [6, 10, 8] and plan.tokens == 24
     assert plan.before == [6, 10, 100]
+    # a prompt of several chunks is written in place from its first (its KV made whole now);
+    # a prompt that is one chunk keeps the chunk's own KV
+    chunks, past, into = plan.inputs()
+    assert plan.in_place == [False, False, True] and into[:2] == [None, None]
+    assert into[2] is jobs[0].whole and into[2].shape[3] == 100 and past[2].shape[3] == 0
+    assert [len(c) for c in chunks] == [6, 10, 8] and past[:2] == [None, None]
     # a full decode batch leaves the chunks a quarter of the pass, never nothing
     assert prefiller.plan_chunks(jobs, decode_rows=64).tokens == 8
     # each row computes at most prefill_chunk_tokens
@@ -165,10 +171,10 @@ def test_a_prompt_computed_in_mixed_steps_gets_the_package_it_gets_alone(tiny_mo
         decoder.step(plan)
         packages += plan.packages
         in_place += plan.in_place
-    # 16-token passes, one decode row: chunks of 15 + 15 + 15, each in a decode step; the
-    # later two written straight into the prompt's KV so far (held in the runner's dtype)
+    # 16-token passes, one decode row: chunks of 15 + 15 + 15, each in a decode step, each
+    # written straight into the prompt's KV (held in the runner's dtype, made at the first)
     assert decoder.mixed_steps == 3 and decoder.steps == 3
-    assert in_place == [False, True, True] and job.in_whole == 45 and job.parts == []
+    assert in_place == [True, True, True] and job.in_whole == 45 and job.parts == []
     assert job.whole.dtype == core.runner.dtype
     [mixed] = [p for p in packages if p is not None]
     assert mixed.first_token == alone.first_token

@@ -258,10 +258,10 @@ def test_a_jobs_kv_is_copied_once_into_one_tensor_as_its_parts_arrive():
 @pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
 def test_a_prompt_alone_in_its_pass_writes_each_chunk_into_its_kv_in_place(tiny_model,
                                                                            kv_dtype):
-    """A long prompt's later chunks, alone in their passes, write their keys/values straight
-    into the job's KV so far (held in the runner's dtype) and attend over a view of it: no
-    past + chunk concatenation a layer, no copy of the chunk afterwards. The package is in
-    the KV dtype and equals one pass over the whole prompt."""
+    """A long prompt's chunks, alone in their passes, write their keys/values straight into
+    the job's KV (held in the runner's dtype, made for the whole prompt at its first chunk)
+    and attend over a view of it: no past + chunk concatenation a layer, no copy of a chunk
+    afterwards. The package is in the KV dtype and equals one pass over the whole prompt."""
     req = PrefillRequest("long", tuple(random.Random(5).randrange(3, 200) for _ in range(45)),
                          GREEDY)
     [want] = _prefiller(tiny_model, prefix_cache_mb=0, kv_dtype=kv_dtype).make_packages([req])
@@ -275,9 +275,8 @@ def test_a_prompt_alone_in_its_pass_writes_each_chunk_into_its_kv_in_place(tiny_
     packages = [None]
     while packages[0] is None:
         packages = prefiller.run_pass([job])
-        assert job.parts == [] or job.done == 8  # the first chunk's KV waits as a part
-    assert intos[0] is None and len(intos) == 6
-    assert all(into is job.whole for into in intos[1:])
+        assert job.parts == [] and job.in_whole == job.done
+    assert len(intos) == 6 and all(into is job.whole for into in intos)
     assert job.whole.dtype == torch.float32 and job.in_whole == 45
     got = packages[0]
     assert got.first_token == want.first_token
