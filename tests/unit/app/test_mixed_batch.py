@@ -31,6 +31,19 @@ def _ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 49152) for _ in range(n)]
 
 
+def _decode_rows(runner, lengths: list[int]):
+    """Block tables for decode rows of ``lengths`` tokens and two pools holding their KV
+    alike (one for each way a test computes a step)."""
+    tables = contiguous_tables(max(len(lengths), 1), 64, 16)[: len(lengths)]
+    caches = [runner.make_kv_cache(16, 16) for _ in range(2)]
+    if lengths:
+        _, kvs = runner.forward_prefill([_ids(n, seed=n) for n in lengths])
+        for cache in caches:
+            for table, kv in zip(tables, kvs, strict=True):
+                cache.write(table, kv)
+    return tables, caches
+
+
 @pytest.mark.parametrize("inplace", [True, False])
 @pytest.mark.parametrize("decode_lengths", [[5, 20, 33], [7], []])
 def test_mixed_forward_equals_prefill_and_decode_run_separately(tiny_model, decode_lengths,
@@ -47,13 +60,7 @@ def test_mixed_forward_equals_prefill_and_decode_run_separately(tiny_model, deco
     monkeypatch.setattr(model_runner.MixedStep, "build",
                         lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
     rows = len(decode_lengths)
-    tables = contiguous_tables(max(rows, 1), 64, 16)[:rows]
-    caches = [runner.make_kv_cache(16, 16) for _ in range(2)]
-    if rows:
-        _, kvs = runner.forward_prefill([_ids(n, seed=n) for n in decode_lengths])
-        for cache in caches:
-            for table, kv in zip(tables, kvs, strict=True):
-                cache.write(table, kv)
+    tables, caches = _decode_rows(runner, decode_lengths)
     tokens = [11 + i for i in range(rows)]
     fresh = _ids(17, seed=1)
     doc = _ids(40, seed=2)
@@ -90,13 +97,7 @@ def test_a_later_chunk_written_into_its_prompts_kv_equals_one_joined_to_a_copy(t
     KV comes back as the view of it."""
     runner = _core(tiny_model).runner
     rows = len(decode_lengths)
-    tables = contiguous_tables(max(rows, 1), 64, 16)[:rows]
-    caches = [runner.make_kv_cache(16, 16) for _ in range(2)]
-    if rows:
-        _, kvs = runner.forward_prefill([_ids(n, seed=n) for n in decode_lengths])
-        for cache in caches:
-            for table, kv in zip(tables, kvs, strict=True):
-                cache.write(table, kv)
+    tables, caches = _decode_rows(runner, decode_lengths)
     doc, fresh = _ids(50, seed=3), _ids(13, seed=4)
     _, [past] = runner.forward_prefill([doc[:21]])
     whole = torch.full((*past.shape[:3], 50, past.shape[4]), float("nan"))
