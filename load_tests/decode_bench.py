@@ -3,8 +3,9 @@
 Prints, for each variant asked for (a dtype; ``+packed`` for linear weights copied into a
 kernel's layout, ``app.packed_linear``: the engine's own panel kernel where it builds, or
 oneDNN's with ``+packed+onednn``; ``+gather`` for decode attention through a gathered copy and
-SDPA instead of the in-place kernel, ``app.attention``; ``+unfused`` for a decode step
-through the model's modules instead of one call to the fused kernel, ``app.fused_decode``;
+SDPA instead of the in-place kernel, ``app.attention`` (its pool then in the compute dtype);
+``+unfused`` for a decode step through the model's modules instead of one call to the fused
+kernel, ``app.fused_decode``;
 ``+avx2`` for the panel kernel kept to its AVX2 tiles on a CPU that has AVX-512; ``+kvf32``
 for a float32 KV pool (and packages) where the dtype would hold them in bf16; ``+int8``
 for weight-only int8 panels (``EngineConfig.weights``; a ``bfloat16+packed`` variant holds

@@ -11,9 +11,8 @@ Prints, per variant, the median (min-max) over interleaved rounds of:
   248-token prompt chunk, the colocated app's pass while streams run;
 * ``mixed_long_ms``: the same with 4 decode rows at 1,024-token contexts and a 252-token
   chunk (the colocated app under W-long: long prompts' streams beside the next one's chunk);
-* ``mixed_doc_ms``: a 4,032-token prompt in 16 such mixed passes, each later chunk written
-  straight into the prompt's KV so far (``forward_mixed``'s ``into``, as ``ChunkPlan``
-  hands it);
+* ``mixed_doc_ms``: a 4,032-token prompt in 16 such mixed passes, each chunk written
+  straight into the prompt's KV (``forward_mixed``'s ``into``, as ``ChunkPlan`` hands it);
 
 and, for a variant ``X`` run beside ``X+modules`` (the same engine with ``kernels.fused_layers:
 false``: the model's modules around the same kernels) or ``X+fp32attn`` (prefill attention
