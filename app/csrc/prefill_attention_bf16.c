@@ -206,34 +206,49 @@ static BF_TARGET void pv_tile(int mr, const uint32_t *pw, const float *alpha, ui
     else pv_step(mr, pw, alpha, pairs, vp, d, acc);
 }
 
-/* One row's softmax step over its SK scores (lanes in `m` seen): the probabilities as bf16
-   pairs into pw, the rescale of its earlier sums (alpha), its running max and sum. */
-static inline BF_TARGET void softmax_step(float *sr, uint64_t m, float scale, float *top,
-                                          float *total, float *alpha, uint32_t *pw) {
+/* One row's softmax step over its SK scores (lanes in `m` seen), in base 2: the scores times
+   c2 (the scale times log2(e)), the row's running max `top` (in those units) raised to the
+   step's, the probabilities 2^(x - top) as bf16 pairs into pw and their float32 sum into
+   *sum. The rescale of the row's earlier sums waits for rescale_rows, all rows at once. */
+static inline BF_TARGET void softmax_step(const float *sr, uint64_t m, float c2, float *top,
+                                          float *sum, uint32_t *pw) {
     if (m == 0) {
-        *alpha = 1.0f;
+        *sum = 0.0f;
         memset(pw, 0, SK * sizeof(uint16_t));
         return;
     }
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), vc = _mm512_set1_ps(c2);
     __m512 x[PS], mx = ninf;
     for (int c = 0; c < PS; c++) {
         __mmask16 mk = (__mmask16)(m >> (16 * c));
-        x[c] = _mm512_mask_mul_ps(ninf, mk, _mm512_load_ps(sr + 16 * c), vscale);
+        x[c] = _mm512_mask_mul_ps(ninf, mk, _mm512_load_ps(sr + 16 * c), vc);
         mx = _mm512_max_ps(mx, x[c]);
     }
     float blk = _mm512_reduce_max_ps(mx);
-    float new_top = blk > *top ? blk : *top;
-    *alpha = *top == -INFINITY ? 0.0f : expf(*top - new_top);
-    __m512 nt = _mm512_set1_ps(new_top), sum = _mm512_setzero_ps(), e[PS];
-    for (int c = 0; c < PS; c++) {
-        e[c] = _mm512_maskz_mov_ps((__mmask16)(m >> (16 * c)), exp16(_mm512_sub_ps(x[c], nt)));
-        sum = _mm512_add_ps(sum, e[c]);
+    if (blk > *top) *top = blk;
+    __m512 nt = _mm512_set1_ps(*top), total = _mm512_setzero_ps(), e[PS];
+    for (int c = 0; c < PS; c++) { /* unseen lanes: 2^(-inf - top) is NaN, masked to 0 */
+        e[c] = _mm512_maskz_mov_ps((__mmask16)(m >> (16 * c)),
+                                   exp2_16(_mm512_sub_ps(x[c], nt)));
+        total = _mm512_add_ps(total, e[c]);
     }
-    *total = *total * *alpha + _mm512_reduce_add_ps(sum);
-    *top = new_top;
+    *sum = _mm512_reduce_add_ps(total);
     for (int c = 0; c < PS; c += 2) /* 32 probabilities -> 16 pairs (keys in order) */
         _mm512_storeu_si512(pw + 8 * c, (__m512i)_mm512_cvtne2ps_pbh(e[c + 1], e[c]));
+}
+
+/* After a step's softmax_step for rows 0..mr-1 (one lane each): alpha = 2^(old top - new
+   top), the factor of each row's earlier sums (0 while the row had seen nothing: its sums
+   are zeros), and total = total * alpha + the step's sum. */
+static inline BF_TARGET void rescale_rows(int mr, const float *old, const float *top,
+                                          const float *sum, float *total, float *alpha) {
+    __mmask16 k = (__mmask16)((1u << mr) - 1);
+    __m512 o = _mm512_maskz_loadu_ps(k, old);
+    __mmask16 seen = _mm512_mask_cmp_ps_mask(k, o, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    __m512 a = _mm512_maskz_mov_ps(seen, exp2_16(_mm512_sub_ps(o, _mm512_maskz_loadu_ps(k, top))));
+    _mm512_mask_storeu_ps(alpha, k, a);
+    _mm512_mask_storeu_ps(total, k, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, total), a,
+                                                    _mm512_maskz_loadu_ps(k, sum)));
 }
 
 static BF_TARGET void attend_block_bf16(int mr, long i0, const float *q, long qs,
@@ -244,7 +259,8 @@ static BF_TARGET void attend_block_bf16(int mr, long i0, const float *q, long qs
     float acc[QB * DMAX] __attribute__((aligned(64)));
     uint32_t qb[QB * DMAX / 2] __attribute__((aligned(64)));
     uint32_t pw[QB * SK / 2] __attribute__((aligned(64)));
-    float top[QB], total[QB], alpha[QB];
+    float top[QB], old[QB], sum[QB], total[QB], alpha[QB];
+    const float c2 = scale * 1.44269504088896341f; /* scores to base 2 */
     long dw = d / 2;
     for (int r = 0; r < mr; r++) {
         top[r] = -INFINITY;
@@ -278,12 +294,13 @@ static BF_TARGET void attend_block_bf16(int mr, long i0, const float *q, long qs
             int n = mr - r0 < RB ? mr - r0 : RB;
             score_tile(n, qb + r0 * dw, dw, kstep, np, scores + r0 * SK);
         }
+        memcpy(old, top, mr * sizeof(float));
         for (int r = 0; r < mr; r++) {
-            softmax_step(scores + r * SK, seen[r], scale, top + r, total + r, alpha + r,
-                         pw + r * (SK / 2));
+            softmax_step(scores + r * SK, seen[r], c2, top + r, sum + r, pw + r * (SK / 2));
             uint64_t m = seen[r] | (seen[r] >> 1); /* pair j seen: bit 2j */
             pairs[r / RB] |= (uint32_t)_pext_u64(m, 0x5555555555555555ull);
         }
+        rescale_rows(mr, old, top, sum, total, alpha);
         const uint16_t *vstep = vpk + p0 * KP / 2 * d * 2;
         for (int r0 = 0; r0 < mr; r0 += RB) {
             int n = mr - r0 < RB ? mr - r0 : RB;
