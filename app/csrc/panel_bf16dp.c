@@ -173,13 +173,13 @@ static void dp_rows(int mr, int np, long kp, const uint16_t *pan, const uint32_t
                     long n, long q, const float *bias, int ahead) {
     float b64[4 * NR], scratch[12 * 4 * NR];
     long cols = n - q * NR < np * NR ? n - q * NR : np * NR;
-    column_slice(b64, bias, q * NR, cols, np * NR);
+    const float *b = column_view(b64, bias, q * NR, cols, np * NR);
     dp_fn tile = DP_TILES[mr][np - 1];
     if (cols == np * NR) {
-        tile(kp, pan, x, kp, y + q * NR, n, b64, ahead);
+        tile(kp, pan, x, kp, y + q * NR, n, b, ahead);
         return;
     }
-    tile(kp, pan, x, kp, scratch, np * NR, b64, ahead);
+    tile(kp, pan, x, kp, scratch, np * NR, b, ahead);
     for (int i = 0; i < mr; i++)
         memcpy(y + i * n + q * NR, scratch + i * np * NR, cols * sizeof(float));
 }

@@ -225,12 +225,12 @@ static void N(panel_rows)(int mr, long k, const WT *pan, const float *x, float *
                        long q, const float *bias) {
     float b16[NR], tile16[MR * NR];
     long cols = n - q * NR < NR ? n - q * NR : NR;
-    column_slice(b16, bias, q * NR, cols, NR);
+    const float *b = column_view(b16, bias, q * NR, cols, NR);
     if (cols == NR) {
-        N(MICROS)[mr](k, pan, x, k, y + q * NR, n, b16);
+        N(MICROS)[mr](k, pan, x, k, y + q * NR, n, b);
         return;
     }
-    N(MICROS)[mr](k, pan, x, k, tile16, NR, b16);
+    N(MICROS)[mr](k, pan, x, k, tile16, NR, b);
     for (int i = 0; i < mr; i++) memcpy(y + i * n + q * NR, tile16 + i * NR, cols * sizeof(float));
 }
 
@@ -248,8 +248,8 @@ static void N(run_panels_small)(const float *x, long m, long k, const WT *p, lon
                 N(panel_rows)(MR, k, p + qq * k * NR, x + m0 * k, y + m0 * n, n, qq, bias);
         if (rest == 0) continue;
         if (N(TILES)[rest] != NULL && qe - q == width && qe * NR <= n) {
-            column_slice(bias_tile, bias, q * NR, width * NR, width * NR);
-            N(TILES)[rest](k, p + q * k * NR, x + full * k, k, y + full * n + q * NR, n, bias_tile);
+            N(TILES)[rest](k, p + q * k * NR, x + full * k, k, y + full * n + q * NR, n,
+                           column_view(bias_tile, bias, q * NR, width * NR, width * NR));
         } else {
             for (long qq = q; qq < qe; qq++)
                 N(panel_rows)(rest, k, p + qq * k * NR, x + full * k, y + full * n, n, qq, bias);
@@ -272,11 +272,11 @@ static void N(run_panels_sliced)(const float *x, long m, long k, const WT *p, lo
             long me = mb + MB < m ? mb + MB : m, full = mb + (me - mb) / MR * MR;
             for (long q = g0; q < g1; q++) {
                 float b16[NR];
-                column_slice(b16, bias, q * NR, NR, NR);
+                const float *bq = column_view(b16, bias, q * NR, NR, NR);
                 const WT *pan = p + q * k * NR;
                 for (long k0 = 0; k0 < k; k0 += kc) {
                     long len = k - k0 < kc ? k - k0 : kc;
-                    const float *b = k0 + len == k ? b16 : NULL;
+                    const float *b = k0 + len == k ? bq : NULL;
                     for (long m0 = mb; m0 < full; m0 += MR)
                         N(micro6_slice)(k0 > 0, len, pan + k0 * NR, x + m0 * k + k0, k,
                                      y + m0 * n + q * NR, n, b);

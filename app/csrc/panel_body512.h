@@ -67,12 +67,12 @@ static void N(rows512)(int mr, int np, long k, const WT *pan, const float *x, fl
                     long q, const float *bias) {
     float b32[2 * NR], scratch[MR5 * 2 * NR];
     long cols = n - q * NR < np * NR ? n - q * NR : np * NR;
-    column_slice(b32, bias, q * NR, cols, np * NR);
+    const float *b = column_view(b32, bias, q * NR, cols, np * NR);
     if (cols == np * NR) {
-        N(TILES512)[mr][np - 1](k, pan, x, k, y + q * NR, n, b32);
+        N(TILES512)[mr][np - 1](k, pan, x, k, y + q * NR, n, b);
         return;
     }
-    N(TILES512)[mr][np - 1](k, pan, x, k, scratch, 2 * NR, b32);
+    N(TILES512)[mr][np - 1](k, pan, x, k, scratch, 2 * NR, b);
     for (int i = 0; i < mr; i++)
         memcpy(y + i * n + q * NR, scratch + i * 2 * NR, cols * sizeof(float));
 }
@@ -153,8 +153,8 @@ static void N(run_narrow)(const float *x, long m, long k, const WT *p, long n,
     float bias_tile[8 * NR];
     long q = q0;
     for (; q + np <= q1 && (q + np) * NR <= n; q += np) {
-        column_slice(bias_tile, bias, q * NR, np * NR, np * NR);
-        N(NARROW)[m](k, p + q * k * NR, x, k, y + q * NR, n, bias_tile);
+        N(NARROW)[m](k, p + q * k * NR, x, k, y + q * NR, n,
+                     column_view(bias_tile, bias, q * NR, np * NR, np * NR));
     }
     for (; q < q1; q += 2) {
         int width = q1 - q >= 2 ? 2 : 1;

@@ -208,18 +208,18 @@ struct vn_job {
 static void vn_rows(const struct vn_job *j, long m0, int mr, int np, long q, int ahead) {
     float s64[8 * NR], b64[8 * NR], scratch[12 * 4 * NR];
     long cols = j->n - q * NR < np * NR ? j->n - q * NR : np * NR;
-    column_slice(s64, j->wscale, q * NR, cols, np * NR);
-    column_slice(b64, j->bias, q * NR, cols, np * NR);
+    const float *sc = column_view(s64, j->wscale, q * NR, cols, np * NR);
+    const float *b = column_view(b64, j->bias, q * NR, cols, np * NR);
     vn_fn tile = VN_TILES[mr][np == 8 ? 3 : np == 4 ? 2 : np - 1];
     const int8_t *pan = j->p + q * j->kp * NR * 2;
     const uint32_t *x = j->xq + m0 * j->kp;
     const float *xs = j->xs + m0 * j->blocks;
     if (cols == np * NR) {
-        tile(j->kp, pan, x, j->kp, xs, j->blocks, j->y + m0 * j->n + q * NR, j->n, s64, b64,
+        tile(j->kp, pan, x, j->kp, xs, j->blocks, j->y + m0 * j->n + q * NR, j->n, sc, b,
              ahead);
         return;
     }
-    tile(j->kp, pan, x, j->kp, xs, j->blocks, scratch, np * NR, s64, b64, ahead);
+    tile(j->kp, pan, x, j->kp, xs, j->blocks, scratch, np * NR, sc, b, ahead);
     for (int i = 0; i < mr; i++)
         memcpy(j->y + (m0 + i) * j->n + q * NR, scratch + i * np * NR, cols * sizeof(float));
 }
