@@ -13,6 +13,9 @@ Prints, per variant, the median (min-max) over interleaved rounds of:
   chunk (the colocated app under W-long: long prompts' streams beside the next one's chunk);
 * ``mixed_doc_ms``: a 4,032-token prompt in 16 such mixed passes, each chunk written
   straight into the prompt's KV (``forward_mixed``'s ``into``, as ``ChunkPlan`` hands it);
+* ``attention_ms``: prefill attention alone (``app.prefill_attention``'s kernel, with the
+  products the variant's passes take) for every layer of a 1,024-token prompt in four
+  256-token chunks, each over its past: the model's query and KV heads, random q, k, v;
 
 and, for a variant ``X`` run beside ``X+modules`` (the same engine with ``kernels.fused_layers:
 false``: the model's modules around the same kernels) or ``X+fp32attn`` (prefill attention
@@ -43,13 +46,15 @@ import torch
 from app.config import DEFAULT_MODEL, EngineConfig, cpu_flags
 from app.engine_core import EngineCore
 from app.messages import PrefillRequest
+from app.prefill_attention import _kernel_prefill_attention
 from app.sampling import SamplingParams
 
 PROMPT, CHUNK, ROWS, CONTEXT = 1024, 256, 8, 64
 LONG_ROWS, LONG_CONTEXT = 4, 1024
 DOC_CHUNKS = 16  # mixed_doc_ms: a prompt of this many (CHUNK - LONG_ROWS)-token chunks
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-FIGURES = ("whole1024_ms", "chunked1024_ms", "mixed_ms", "mixed_long_ms", "mixed_doc_ms")
+FIGURES = ("whole1024_ms", "chunked1024_ms", "mixed_ms", "mixed_long_ms", "mixed_doc_ms",
+           "attention_ms")
 FLAGS = ("modules", "fp32attn", "gather", "copy")
 
 
@@ -79,6 +84,13 @@ class Variant:
         self.doc_kv = doc_kv.to(self.runner.dtype).contiguous()
         self.cache, self.tables = self._rows(ROWS, CONTEXT)
         self.long_cache, self.long_tables = self._rows(LONG_ROWS, LONG_CONTEXT)
+        heads, layout = self.runner.model.config.num_attention_heads, self.runner.layout
+        gen = torch.Generator().manual_seed(1)
+        self.attention_inputs = {  # per chunk: its queries, and keys/values with its past
+            past: (torch.randn(1, heads, CHUNK, layout.head_dim, generator=gen),
+                   *(torch.randn(1, layout.num_kv_heads, past + CHUNK, layout.head_dim,
+                                 generator=gen) for _ in range(2)))
+            for past in range(0, PROMPT, CHUNK)}
         self.rows: dict[str, list[float]] = {f: [] for f in FIGURES}
 
     def _rows(self, rows: int, context: int):
@@ -116,10 +128,17 @@ class Variant:
                                       [LONG_CONTEXT] * LONG_ROWS, [self.doc[i * n : (i + 1) * n]],
                                       [past], [None if self.copy_chunks else whole])
 
+    def _attention(self) -> None:
+        for past, (q, k, v) in self.attention_inputs.items():
+            starts = torch.tensor([past])
+            for _ in range(self.runner.layout.num_layers):
+                _kernel_prefill_attention(q, k, v, starts, past, None, self.runner.prefill_bf16)
+
     def round(self) -> None:
         for figure, fn in (("whole1024_ms", lambda: self.runner.forward_prefill([self.prompt])),
                            ("chunked1024_ms", self._chunked), ("mixed_ms", self._mixed),
-                           ("mixed_long_ms", self._mixed_long), ("mixed_doc_ms", self._mixed_doc)):
+                           ("mixed_long_ms", self._mixed_long), ("mixed_doc_ms", self._mixed_doc),
+                           ("attention_ms", self._attention)):
             start = time.perf_counter()
             fn()
             self.rows[figure].append((time.perf_counter() - start) * 1e3)
