@@ -24,10 +24,19 @@
  * the new one last). Those indices are checked against the pool's `slots` and read's
  * `nread` entries before anything is written (paged_slots_check).
  *
+ * Threads: the whole step is one OpenMP parallel region. Each thread computes its part of
+ * every product's panels (panel_linear_part: every output the same chain of sums as on one
+ * thread, so a step's values do not depend on its thread count), of attention's (row, KV
+ * head) tasks and of the rows of the elementwise parts, and the team meets at a barrier
+ * between the parts (nine a layer). As a parallel region per product and per attention
+ * (about five a layer, the elementwise parts on the calling thread between them), two
+ * threads were slower than one.
+ *
  * Built at run time by app/cpu_kernels.py with the other kernels.
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,6 +84,74 @@ static void store_kv(void *dst, const float *src, long n, int bf) {
     }
 }
 
+struct step {
+    float *hidden, *xn, *tmp, *q, *att, *wide, *act, *logits;
+    void *const *ptrs;
+    const float *cos, *sin, *final_norm, *head, *head_bias, *head_scale;
+    const long *write, *read, *offsets;
+    long m, n_layers, hsize, heads, kv_heads, hd, inter, nread, slots, vocab;
+    float eps, scale;
+    int wtype, kv_bf16, err;
+};
+
+/* A part's failure, kept for the step's status (the team goes on through every barrier). */
+static void fail(struct step *s, int rc) {
+    if (rc != SK_OK) __atomic_store_n(&s->err, rc, __ATOMIC_RELAXED);
+}
+
+/* Thread t of `team`'s part of one of layer w's products: its panels, bias and scales. */
+#define PART(in, k, P, n, out)                                                                     fail(s, panel_linear_part(in, s->m, k, w[P], s->wtype, w[P##_SCALE], n, w[P##_BIAS], out,                                t, team))
+
+/* Layer l for thread t of `team` (its rows [r0, r1) of the elementwise parts). */
+static void step_layer(struct step *s, long l, int t, int team, long r0, long r1) {
+    void *const *w = s->ptrs + l * LAYER_PTRS;
+    long hs = s->hsize, hd = s->hd, inter = s->inter, nq = s->heads * hd;
+    long nkv = s->kv_heads * hd, nqkv = nq + 2 * nkv, es = s->kv_bf16 ? 2 : 4;
+    char *keys = w[KEYS], *values = w[VALUES];
+    rms_norm(s->hidden + r0 * hs, r1 - r0, hs, w[IN_NORM], s->eps, s->xn + r0 * hs);
+#pragma omp barrier
+    PART(s->xn, hs, QKV, nqkv, s->wide);
+#pragma omp barrier
+    for (long b = r0; b < r1; b++) {
+        float *row = s->wide + b * nqkv;
+        rope(row, s->heads, hd, s->cos + b * hd, s->sin + b * hd);
+        rope(row + nq, s->kv_heads, hd, s->cos + b * hd, s->sin + b * hd);
+        memcpy(s->q + b * nq, row, sizeof(float) * nq);
+        store_kv(keys + s->write[b] * nkv * es, row + nq, nkv, s->kv_bf16);
+        store_kv(values + s->write[b] * nkv * es, row + nq + nkv, nkv, s->kv_bf16);
+    }
+#pragma omp barrier
+    fail(s, paged_decode_attention_part(s->q, keys, values, s->slots, s->kv_heads, hd,
+                                        s->heads / s->kv_heads, s->read, s->nread, s->offsets,
+                                        s->m, s->scale, s->att, s->kv_bf16, t, team));
+#pragma omp barrier
+    PART(s->att, nq, O, hs, s->tmp);
+#pragma omp barrier
+    add_into(s->hidden + r0 * hs, s->tmp + r0 * hs, (r1 - r0) * hs);
+    rms_norm(s->hidden + r0 * hs, r1 - r0, hs, w[POST_NORM], s->eps, s->xn + r0 * hs);
+#pragma omp barrier
+    PART(s->xn, hs, GATE_UP, 2 * inter, s->wide);
+#pragma omp barrier
+    silu_mul(s->wide + r0 * 2 * inter, r1 - r0, inter, s->act + r0 * inter);
+#pragma omp barrier
+    PART(s->act, inter, DOWN, hs, s->tmp);
+#pragma omp barrier
+    add_into(s->hidden + r0 * hs, s->tmp + r0 * hs, (r1 - r0) * hs);
+}
+#undef PART
+
+/* The whole step for thread t of `team`: every layer, then the final norm and the head's
+   product where there is a head. Every thread passes every barrier, whatever fails. */
+static void step_thread(struct step *s, int t, int team) {
+    long m = s->m, hs = s->hsize, r0 = m * t / team, r1 = m * (t + 1) / team;
+    for (long l = 0; l < s->n_layers; l++) step_layer(s, l, t, team, r0, r1);
+    if (s->head == NULL) return;
+    rms_norm(s->hidden + r0 * hs, r1 - r0, hs, s->final_norm, s->eps, s->xn + r0 * hs);
+#pragma omp barrier
+    fail(s, panel_linear_part(s->xn, m, hs, s->head, s->wtype, s->head_scale, s->vocab,
+                              s->head_bias, s->logits, t, team));
+}
+
 /* hidden [m, H] (updated in place) through n_layers layers; then, when head is not NULL,
    the final norm and the LM head's product into logits [m, vocab]. cos, sin: [m, hd].
    Returns SK_OK; SK_UNSUPPORTED for a head_dim the kernels do not take; SK_BAD_SHAPE for
@@ -97,44 +174,15 @@ int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hs
     long widest = nqkv > 2 * inter ? nqkv : 2 * inter;
     float *scratch = malloc(sizeof(float) * (size_t)(m * (2 * hsize + 2 * nq + widest + inter)));
     if (scratch == NULL) return SK_NO_MEMORY;
-    float *xn = scratch, *tmp = xn + m * hsize, *q = tmp + m * hsize, *att = q + m * nq;
-    float *wide = att + m * nq, *act = wide + m * widest;
-    int rc = 0;
-/* one of the layer's products: its panels, bias and scales from the table */
-#define LINEAR(in, k, P, n, out)                                                               \
-    panel_linear_w(in, m, k, w[P], wtype, w[P##_SCALE], n, w[P##_BIAS], out, threads)
-    for (long l = 0; l < n_layers && rc == 0; l++) {
-        void *const *w = ptrs + l * LAYER_PTRS;
-        char *keys = w[KEYS], *values = w[VALUES];
-        long es = kv_bf16 ? 2 : 4; /* the pool's element size */
-        rms_norm(hidden, m, hsize, w[IN_NORM], eps, xn);
-        rc = LINEAR(xn, hsize, QKV, nqkv, wide);
-        if (rc != 0) break;
-        for (long b = 0; b < m; b++) {
-            float *row = wide + b * nqkv;
-            rope(row, heads, hd, cos + b * hd, sin + b * hd);
-            rope(row + nq, kv_heads, hd, cos + b * hd, sin + b * hd);
-            memcpy(q + b * nq, row, sizeof(float) * nq);
-            store_kv(keys + write[b] * nkv * es, row + nq, nkv, kv_bf16);
-            store_kv(values + write[b] * nkv * es, row + nq + nkv, nkv, kv_bf16);
-        }
-        rc = paged_decode_attention(q, keys, values, slots, kv_heads, hd, heads / kv_heads,
-                                    read, nread, offsets, m, scale, att, threads, kv_bf16);
-        if (rc != SK_OK) break;
-        rc = LINEAR(att, nq, O, hsize, tmp);
-        add_into(hidden, tmp, m * hsize);
-        rms_norm(hidden, m, hsize, w[POST_NORM], eps, xn);
-        rc = rc ? rc : LINEAR(xn, hsize, GATE_UP, 2 * inter, wide);
-        silu_mul(wide, m, inter, act);
-        rc = rc ? rc : LINEAR(act, inter, DOWN, hsize, tmp);
-        add_into(hidden, tmp, m * hsize);
-    }
-    if (rc == 0 && head != NULL) {
-        rms_norm(hidden, m, hsize, final_norm, eps, xn);
-        rc = panel_linear_w(xn, m, hsize, head, wtype, head_scale, vocab, head_bias, logits,
-                            threads);
-    }
-#undef LINEAR
+    struct step s = {hidden, scratch, scratch + m * hsize, scratch + 2 * m * hsize, NULL, NULL,
+                     NULL, logits, ptrs, cos, sin, final_norm, head, head_bias, head_scale,
+                     write, read, offsets, m, n_layers, hsize, heads, kv_heads, hd, inter,
+                     nread, slots, vocab, eps, scale, wtype, kv_bf16, SK_OK};
+    s.att = s.q + m * nq;
+    s.wide = s.att + m * nq;
+    s.act = s.wide + m * widest;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    step_thread(&s, omp_get_thread_num(), omp_get_num_threads());
     free(scratch);
-    return rc;
+    return s.err;
 }

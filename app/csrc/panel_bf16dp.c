@@ -219,17 +219,42 @@ static void dp_run(const uint32_t *xb, long m, long kp, const uint16_t *p, long 
     }
 }
 
-/* y [m, n] = x [m, k] @ W^T + bias, W packed by panel_pack_pairs. Returns SK_OK,
-   SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-BF16, SK_NO_MEMORY. */
-int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, const float *bias,
-                  float *y, int threads) {
+/* Whether the CPU has AVX512-BF16 (asked once). */
+static int dp_supported(void) {
     static int supported = -1;
     int ok = __atomic_load_n(&supported, __ATOMIC_RELAXED);
     if (ok < 0) {
         ok = panel_has_avx512bf16();
         __atomic_store_n(&supported, ok, __ATOMIC_RELAXED);
     }
-    if (!ok) return SK_NO_ISA;
+    return ok;
+}
+
+/* Part `part` of `parts` of linear_bf16dp's product on the calling thread alone: panels
+   [panels * part / parts, panels * (part + 1) / parts), y [m, n] as there (each thread of a
+   team calls it with its own part: decode_step.c's one parallel region). Every output is
+   computed as by linear_bf16dp. Statuses as linear_bf16dp's; SK_BAD_SHAPE for a part
+   outside [0, parts). */
+int linear_bf16dp_part(const float *x, long m, long k, const uint16_t *p, long n,
+                       const float *bias, float *y, int part, int parts) {
+    if (!dp_supported()) return SK_NO_ISA;
+    if (m < 0 || k < 1 || n < 1 || parts < 1 || part < 0 || part >= parts) return SK_BAD_SHAPE;
+    long kp = (k + 1) / 2, panels = (n + NR - 1) / NR;
+    long q0 = panels * part / parts, q1 = panels * (part + 1) / parts;
+    if (m == 0 || q1 <= q0) return SK_OK;
+    uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)(m * kp));
+    if (xb == NULL) return SK_NO_MEMORY;
+    to_pairs(x, m, k, xb);
+    dp_run(xb, m, kp, p, n, bias, y, q0, q1);
+    free(xb);
+    return SK_OK;
+}
+
+/* y [m, n] = x [m, k] @ W^T + bias, W packed by panel_pack_pairs. Returns SK_OK,
+   SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-BF16, SK_NO_MEMORY. */
+int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, const float *bias,
+                  float *y, int threads) {
+    if (!dp_supported()) return SK_NO_ISA;
     if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
     long kp = (k + 1) / 2, panels = (n + NR - 1) / NR;
     uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)(m * kp));

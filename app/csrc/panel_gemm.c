@@ -199,3 +199,28 @@ int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
     default: return linear_i8dp(x, m, k, p, n, bias, scale, y, threads);
     }
 }
+
+/* Part `part` of `parts` of panel_linear_w's product on the calling thread alone: panels
+   [panels * part / parts, panels * (part + 1) / parts) of the n / 16 (rounded up), into
+   their columns of y [m, n] (each thread of a team calls it with its own part: the decode
+   step's one parallel region, decode_step.c). Every output is the same chain of sums as
+   panel_linear_w's. Statuses as panel_linear_w's; SK_BAD_SHAPE for a part outside
+   [0, parts). */
+int panel_linear_part(const float *x, long m, long k, const void *p, int wtype,
+                      const float *scale, long n, const float *bias, float *y, int part,
+                      int parts) {
+    if (m < 0 || k < 1 || n < 1 || parts < 1 || part < 0 || part >= parts) return SK_BAD_SHAPE;
+    if (wtype < W_F32 || wtype > W_I8DP) return SK_BAD_KIND;
+    if ((wtype == W_I8 || wtype == W_I8DP) && scale == NULL) return SK_BAD_KIND;
+    if (m == 0) return SK_OK;
+    if (x == NULL || p == NULL || y == NULL) return SK_BAD_SHAPE;
+    long panels = (n + NR - 1) / NR;
+    long q0 = panels * part / parts, q1 = panels * (part + 1) / parts;
+    switch (wtype) {
+    case W_F32: run_scaled_f32(x, m, k, p, n, bias, NULL, y, q0, q1); return SK_OK;
+    case W_BF16: run_scaled_bf16(x, m, k, p, n, bias, NULL, y, q0, q1); return SK_OK;
+    case W_I8: run_scaled_i8(x, m, k, p, n, bias, scale, y, q0, q1); return SK_OK;
+    case W_BF16DP: return linear_bf16dp_part(x, m, k, p, n, bias, y, part, parts);
+    default: return linear_i8dp_part(x, m, k, p, n, bias, scale, y, part, parts);
+    }
+}

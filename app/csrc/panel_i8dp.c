@@ -252,19 +252,22 @@ static void vn_run(const struct vn_job *j, long q0, long q1) {
     }
 }
 
-/* y [m, n] = x [m, k] @ (W * scale)^T + bias, W packed by panel_pack_pairs_i8, scale [n].
-   Returns SK_OK, SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
-int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
-                const float *scale, float *y, int threads) {
+/* Whether the CPU has AVX512-VNNI (asked once). */
+static int vn_supported(void) {
     static int supported = -1;
     int ok = __atomic_load_n(&supported, __ATOMIC_RELAXED);
     if (ok < 0) {
         ok = panel_has_avx512vnni();
         __atomic_store_n(&supported, ok, __ATOMIC_RELAXED);
     }
-    if (!ok) return SK_NO_ISA;
-    if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
-    long kp = (k + 1) / 2, panels = (n + NR - 1) / NR, blocks = (kp + KB - 1) / KB;
+    return ok;
+}
+
+/* A product's job, x converted into its 16-bit pairs and block scales (freed by vn_free).
+   Returns SK_OK or SK_NO_MEMORY. */
+static int vn_start(struct vn_job *j, const float *x, long m, long k, const int8_t *p, long n,
+                    const float *bias, const float *scale, float *y) {
+    long kp = (k + 1) / 2, blocks = (kp + KB - 1) / KB;
     uint32_t *xq = malloc(sizeof(uint32_t) * (size_t)(m * kp));
     float *xs = malloc(sizeof(float) * (size_t)(m * blocks));
     if (xq == NULL || xs == NULL) {
@@ -273,7 +276,41 @@ int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const f
         return SK_NO_MEMORY;
     }
     to_i16(x, m, k, xq, xs);
-    struct vn_job job = {xq, xs, scale, bias, p, y, m, kp, blocks, n};
+    *j = (struct vn_job){xq, xs, scale, bias, p, y, m, kp, blocks, n};
+    return SK_OK;
+}
+
+static void vn_free(struct vn_job *j) {
+    free((void *)j->xq);
+    free((void *)j->xs);
+}
+
+/* Part `part` of `parts` of linear_i8dp's product on the calling thread alone: panels
+   [panels * part / parts, panels * (part + 1) / parts), as linear_bf16dp_part. Statuses as
+   linear_i8dp's; SK_BAD_SHAPE for a part outside [0, parts). */
+int linear_i8dp_part(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
+                     const float *scale, float *y, int part, int parts) {
+    if (!vn_supported()) return SK_NO_ISA;
+    if (m < 0 || k < 1 || n < 1 || parts < 1 || part < 0 || part >= parts) return SK_BAD_SHAPE;
+    long panels = (n + NR - 1) / NR;
+    long q0 = panels * part / parts, q1 = panels * (part + 1) / parts;
+    if (m == 0 || q1 <= q0) return SK_OK;
+    struct vn_job job;
+    if (vn_start(&job, x, m, k, p, n, bias, scale, y) != SK_OK) return SK_NO_MEMORY;
+    vn_run(&job, q0, q1);
+    vn_free(&job);
+    return SK_OK;
+}
+
+/* y [m, n] = x [m, k] @ (W * scale)^T + bias, W packed by panel_pack_pairs_i8, scale [n].
+   Returns SK_OK, SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
+int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
+                const float *scale, float *y, int threads) {
+    if (!vn_supported()) return SK_NO_ISA;
+    if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
+    long kp = (k + 1) / 2, panels = (n + NR - 1) / NR;
+    struct vn_job job;
+    if (vn_start(&job, x, m, k, p, n, bias, scale, y) != SK_OK) return SK_NO_MEMORY;
     if (threads > panels) threads = (int)panels;
     if (threads <= 1 || m * n * k < 65536) {
         vn_run(&job, 0, panels);
@@ -296,7 +333,6 @@ int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const f
             if (q1 > q0) vn_run(&job, q0, q1);
         }
     }
-    free(xq);
-    free(xs);
+    vn_free(&job);
     return SK_OK;
 }

@@ -96,6 +96,35 @@ def test_a_product_is_the_rounded_weights_and_the_same_in_any_batch(kind, avx512
         lib.panel_set_avx512(1)
 
 
+@pytest.mark.parametrize("kind", ["float32", *KINDS])
+@torch.inference_mode()
+def test_a_product_computed_in_parts_is_the_whole_product_bit_for_bit(kind):
+    """panel_linear_part (a thread's share of the decode step's products): every part
+    writes its own panels' columns and nothing else, and together the parts are the
+    product panel_linear_w computes, for any split."""
+    lib = load_kernel()
+    torch.manual_seed(2)
+    for n, k in ((100, 71), (576, 576)):
+        panel = PanelLinear(nn.Linear(k, n), weights=kind)
+        scale = None if panel.weight_scale is None else panel.weight_scale.data_ptr()
+        for m in (1, 8, 13, 49):
+            x = torch.randn(m, k)
+            want = panel(x)
+            for parts in (1, 2, 3, 7):
+                got = torch.full((m, n), float("nan"))
+                for part in range(parts):
+                    rc = lib.panel_linear_part(x.data_ptr(), m, k, panel.panels.data_ptr(),
+                                               panel._wtype, scale, n,
+                                               panel._bias.data_ptr(), got.data_ptr(), part,
+                                               parts)
+                    assert rc == 0
+                    panels = -(-n // 16)
+                    c0, c1 = panels * part // parts * 16, panels * (part + 1) // parts * 16
+                    assert not got[:, min(c1, n):].isfinite().any() or part == parts - 1
+                    assert got[:, c0:min(c1, n)].isfinite().all()
+                assert torch.equal(got, want), (kind, n, m, parts)
+
+
 @pytest.mark.skipif(not _vnni(), reason="the CPU has no AVX512-VNNI")
 @torch.inference_mode()
 def test_int8dp_inputs_scaled_per_block_keep_zeros_and_non_finite_values():
