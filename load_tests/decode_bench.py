@@ -138,16 +138,15 @@ class Variant:
                                 "kvf32"}
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
-        self.core = EngineCore(EngineConfig(model=model, dtype=dtype,
-                                            num_threads=threads,
-                                            weights="int8" if "int8" in flags else None,
-                                            kv_dtype="float32" if "kvf32" in flags else None,
-                                            kernels=KernelConfig(
-                                                linear=("torch" if "packed" not in flags
-                                                        else "onednn" if "onednn" in flags
-                                                        else "auto"),
-                                                attention="gather" not in flags,
-                                                fused_decode="unfused" not in flags)))
+        self.core = EngineCore.here(EngineConfig(
+            model=model, dtype=dtype, num_threads=threads,
+            weights="int8" if "int8" in flags else None,
+            kv_dtype="float32" if "kvf32" in flags else None,
+            kernels=KernelConfig(
+                linear=("torch" if "packed" not in flags
+                        else "onednn" if "onednn" in flags else "auto"),
+                attention="gather" not in flags,
+                fused_decode="unfused" not in flags)))
         self.avx512 = "avx2" not in flags
         self.weight_bytes = step_weight_bytes(self.core.model)
         self.floor = Floor(self.weight_bytes, self.core.runner.dtype)

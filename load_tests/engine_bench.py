@@ -42,7 +42,6 @@ from app.decode import Decoder
 from app.engine_core import EngineCore, apply_thread_setting
 from app.kv_package import serialized_sizes
 from app.messages import PrefillRequest
-from app.model_loader import load_model
 from app.sampling import SamplingParams
 from app.sequence import Sequence
 
@@ -411,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(num_threads=args.threads)
     apply_thread_setting(config.num_threads)
     print(f"loading {config.model} with {torch.get_num_threads()} torch threads ...", flush=True)
-    core = EngineCore(config, model=load_model(config))
+    core = EngineCore.here(config)
     gc.freeze()  # keep the model's objects out of every later collection
 
     phases: dict[str, float] = {"load": time.perf_counter() - t0}

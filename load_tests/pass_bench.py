@@ -64,9 +64,10 @@ class Variant:
         unknown = set(flags) - set(FLAGS)
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
-        self.core = EngineCore(EngineConfig(model=DEFAULT_MODEL, dtype=dtype, num_threads=threads,
-                                            kernels={"fused_layers": "modules" not in flags},
-                                            prefill_chunk_tokens=CHUNK, prefix_cache_mb=0))
+        self.core = EngineCore.here(EngineConfig(
+            model=DEFAULT_MODEL, dtype=dtype, num_threads=threads,
+            kernels={"fused_layers": "modules" not in flags},
+            prefill_chunk_tokens=CHUNK, prefix_cache_mb=0))
         self.runner = self.core.runner
         self.prefiller = self.core.make_prefiller()
         self.rounds = 0

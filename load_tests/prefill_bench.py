@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    core = EngineCore(EngineConfig(model=DEFAULT_MODEL, num_threads=args.threads,
+    core = EngineCore.here(EngineConfig(model=DEFAULT_MODEL, num_threads=args.threads,
                                    prefill_chunk_tokens=args.chunk))
-    whole = EngineCore(EngineConfig(model=DEFAULT_MODEL, num_threads=args.threads,
+    whole = EngineCore.here(EngineConfig(model=DEFAULT_MODEL, num_threads=args.threads,
                                     prefill_chunk_tokens=args.chunk, prefill_preempt_layers=0))
     rng = random.Random(0)
     rows: dict[str, list[float]] = {}
