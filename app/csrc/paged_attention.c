@@ -342,25 +342,29 @@ int paged_decode_attention(const float *q, const void *keys, const void *values,
     return SK_OK;
 }
 
-/* Part `part` of `parts` of paged_decode_attention's tasks (a row's KV head each) on the
-   calling thread alone: tasks [tasks * part / parts, tasks * (part + 1) / parts) (each
-   thread of a team calls it with its own part: decode_step.c's one parallel region).
-   Statuses as paged_decode_attention's; SK_BAD_SHAPE for a part outside [0, parts). */
-int paged_decode_attention_part(const float *q, const void *keys, const void *values,
-                                long slots, long kv_heads, long hd, long group,
-                                const long *read, long nread, const long *offsets, long rows,
-                                float scale, float *out, int kv_bf16, int part, int parts) {
+/* paged_decode_attention's tasks (a row's KV head each) shared by a team: the calling thread
+   computes tasks claimed one at a time from *next, which it increments atomically, until
+   none is left; every thread of the team calls it with the same counter, zero before the
+   first call (decode_step.c's one parallel region). Statuses as paged_decode_attention's;
+   SK_BAD_SHAPE for a NULL counter. */
+int paged_decode_attention_claim(const float *q, const void *keys, const void *values,
+                                 long slots, long kv_heads, long hd, long group,
+                                 const long *read, long nread, const long *offsets, long rows,
+                                 float scale, float *out, int kv_bf16, long *next) {
     long longest;
-    if (parts < 1 || part < 0 || part >= parts) return SK_BAD_SHAPE;
+    if (next == NULL) return SK_BAD_SHAPE;
     int status = attention_check(q, keys, values, slots, kv_heads, hd, group, read, nread,
                                  offsets, rows, out, &longest);
     if (status != SK_OK) return status;
-    long tasks = rows * kv_heads, t0 = tasks * part / parts, t1 = tasks * (part + 1) / parts;
-    if (t1 <= t0) return SK_OK;
-    float *scratch = malloc(sizeof(float) * (size_t)(group * (longest > 0 ? longest : 1)));
-    if (scratch == NULL) return SK_NO_MEMORY;
-    attend_tasks(q, keys, values, kv_heads, hd, group, read, offsets, scale, out, kv_bf16, t0,
-                 t1, scratch);
+    float *scratch = NULL;
+    for (long t; (t = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < rows * kv_heads;) {
+        if (scratch == NULL) {
+            scratch = malloc(sizeof(float) * (size_t)(group * (longest > 0 ? longest : 1)));
+            if (scratch == NULL) return SK_NO_MEMORY;
+        }
+        attend_tasks(q, keys, values, kv_heads, hd, group, read, offsets, scale, out, kv_bf16,
+                     t, t + 1, scratch);
+    }
     free(scratch);
     return SK_OK;
 }

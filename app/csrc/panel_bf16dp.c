@@ -230,22 +230,28 @@ static int dp_supported(void) {
     return ok;
 }
 
-/* Part `part` of `parts` of linear_bf16dp's product on the calling thread alone: panels
-   [panels * part / parts, panels * (part + 1) / parts), y [m, n] as there (each thread of a
-   team calls it with its own part: decode_step.c's one parallel region). Every output is
-   computed as by linear_bf16dp. Statuses as linear_bf16dp's; SK_BAD_SHAPE for a part
-   outside [0, parts). */
-int linear_bf16dp_part(const float *x, long m, long k, const uint16_t *p, long n,
-                       const float *bias, float *y, int part, int parts) {
+/* linear_bf16dp's product shared by a team: the calling thread computes chunks of panels
+   claimed from *next (claim_chunk: guided, in whole tiles of `tile` panels, for a team of
+   `team`) until none is left. Every thread of the team calls it with the same counter, zero
+   before the first call, so a thread held up (its core taken by another process) leaves the
+   chunks it did not claim to the others (decode_step.c's one parallel region). Every output
+   is computed as by linear_bf16dp. Statuses as linear_bf16dp's; SK_BAD_SHAPE for a NULL
+   counter, a tile or a team below 1. */
+int linear_bf16dp_claim(const float *x, long m, long k, const uint16_t *p, long n,
+                        const float *bias, float *y, long *next, long tile, int team) {
     if (!dp_supported()) return SK_NO_ISA;
-    if (m < 0 || k < 1 || n < 1 || parts < 1 || part < 0 || part >= parts) return SK_BAD_SHAPE;
-    long kp = (k + 1) / 2, panels = (n + NR - 1) / NR;
-    long q0 = panels * part / parts, q1 = panels * (part + 1) / parts;
-    if (m == 0 || q1 <= q0) return SK_OK;
-    uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)(m * kp));
-    if (xb == NULL) return SK_NO_MEMORY;
-    to_pairs(x, m, k, xb);
-    dp_run(xb, m, kp, p, n, bias, y, q0, q1);
+    if (m < 0 || k < 1 || n < 1 || next == NULL || tile < 1 || team < 1) return SK_BAD_SHAPE;
+    long kp = (k + 1) / 2, panels = (n + NR - 1) / NR, q0, q1;
+    if (m == 0) return SK_OK;
+    uint32_t *xb = NULL;
+    while (claim_chunk(next, panels, tile, team, &q0, &q1)) {
+        if (xb == NULL) { /* the rows in pairs, once a call, when it has a chunk */
+            xb = malloc(sizeof(uint32_t) * (size_t)(m * kp));
+            if (xb == NULL) return SK_NO_MEMORY;
+            to_pairs(x, m, k, xb);
+        }
+        dp_run(xb, m, kp, p, n, bias, y, q0, q1);
+    }
     free(xb);
     return SK_OK;
 }

@@ -285,20 +285,25 @@ static void vn_free(struct vn_job *j) {
     free((void *)j->xs);
 }
 
-/* Part `part` of `parts` of linear_i8dp's product on the calling thread alone: panels
-   [panels * part / parts, panels * (part + 1) / parts), as linear_bf16dp_part. Statuses as
-   linear_i8dp's; SK_BAD_SHAPE for a part outside [0, parts). */
-int linear_i8dp_part(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
-                     const float *scale, float *y, int part, int parts) {
+/* linear_i8dp's product shared by a team, chunks claimed from *next as linear_bf16dp_claim.
+   Statuses as linear_i8dp's; SK_BAD_SHAPE for a NULL counter, a tile or a team below 1. */
+int linear_i8dp_claim(const float *x, long m, long k, const int8_t *p, long n,
+                      const float *bias, const float *scale, float *y, long *next, long tile,
+                      int team) {
     if (!vn_supported()) return SK_NO_ISA;
-    if (m < 0 || k < 1 || n < 1 || parts < 1 || part < 0 || part >= parts) return SK_BAD_SHAPE;
-    long panels = (n + NR - 1) / NR;
-    long q0 = panels * part / parts, q1 = panels * (part + 1) / parts;
-    if (m == 0 || q1 <= q0) return SK_OK;
+    if (m < 0 || k < 1 || n < 1 || next == NULL || tile < 1 || team < 1) return SK_BAD_SHAPE;
+    long panels = (n + NR - 1) / NR, q0, q1;
+    if (m == 0) return SK_OK;
     struct vn_job job;
-    if (vn_start(&job, x, m, k, p, n, bias, scale, y) != SK_OK) return SK_NO_MEMORY;
-    vn_run(&job, q0, q1);
-    vn_free(&job);
+    int started = 0;
+    while (claim_chunk(next, panels, tile, team, &q0, &q1)) {
+        if (!started) { /* the rows as 16-bit integers, once a call, when it has a chunk */
+            if (vn_start(&job, x, m, k, p, n, bias, scale, y) != SK_OK) return SK_NO_MEMORY;
+            started = 1;
+        }
+        vn_run(&job, q0, q1);
+    }
+    if (started) vn_free(&job);
     return SK_OK;
 }
 
