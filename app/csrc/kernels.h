@@ -43,9 +43,6 @@ void panel_linear(const float *x, long m, long k, const float *p, long n, const 
                   float *y, int threads);
 int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
                    const float *scale, long n, const float *bias, float *y, int threads);
-int panel_linear_claim(const float *x, long m, long k, const void *p, int wtype,
-                       const float *scale, long n, const float *bias, float *y, long *next,
-                       long tile, int team);
 
 /* panel_bf16dp.c: bf16 pair panels through vdpbf16ps (and the pair packing of both kinds) */
 int panel_has_avx512bf16(void);
@@ -54,26 +51,17 @@ void panel_pack_pairs(const uint16_t *w, long ldw, long n, long k, uint16_t *p);
 void panel_pack_pairs_i8(const int8_t *w, long ldw, long n, long k, int8_t *p);
 int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, const float *bias,
                   float *y, int threads);
-int linear_bf16dp_claim(const float *x, long m, long k, const uint16_t *p, long n,
-                        const float *bias, float *y, long *next, long tile, int team);
 
 /* panel_i8dp.c: int8 pair panels through vpdpwssd */
 int panel_has_avx512vnni(void);
 int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
                 const float *scale, float *y, int threads);
-int linear_i8dp_claim(const float *x, long m, long k, const int8_t *p, long n,
-                      const float *bias, const float *scale, float *y, long *next, long tile,
-                      int team);
 
 /* paged_attention.c: decode attention read in place from the paged pool */
 int paged_decode_attention(const float *q, const void *keys, const void *values, long slots,
                            long kv_heads, long hd, long group, const long *read, long nread,
                            const long *offsets, long rows, float scale, float *out,
                            int threads, int kv_bf16);
-int paged_decode_attention_claim(const float *q, const void *keys, const void *values,
-                                 long slots, long kv_heads, long hd, long group,
-                                 const long *read, long nread, const long *offsets, long rows,
-                                 float scale, float *out, int kv_bf16, long *next);
 int paged_slots_check(const long *write, long rows, const long *read, long nread,
                       const long *offsets, long slots);
 

@@ -275,14 +275,33 @@ int paged_slots_check(const long *write, long rows, const long *read, long nread
     return SK_OK;
 }
 
-/* Tasks [t0, t1) of a decode attention (task t: row t / kv_heads, KV head t % kv_heads),
-   on the calling thread; scores: scratch of group * (the longest row's slots) floats. */
-static void attend_tasks(const float *q, const void *keys, const void *values, long kv_heads,
-                         long hd, long group, const long *read, const long *offsets,
-                         float scale, float *out, int kv_bf16, long t0, long t1,
-                         float *scores) {
+/* q, out: [rows, kv_heads * group, hd]; keys, values: [slots, kv_heads, hd], float32 or
+   (kv_bf16) bf16. Returns SK_OK, SK_UNSUPPORTED when hd is not a multiple of 8,
+   SK_BAD_SHAPE for counts out of range, paged_slots_check's statuses, or SK_NO_MEMORY. */
+int paged_decode_attention(const float *q, const void *keys, const void *values, long slots,
+                           long kv_heads, long hd, long group, const long *read, long nread,
+                           const long *offsets, long rows, float scale, float *out,
+                           int threads, int kv_bf16) {
+    if (kv_heads < 1 || group < 1 || hd < 1 || threads < 1) return SK_BAD_SHAPE;
+    if (hd % 8 != 0) return SK_UNSUPPORTED;
+    int status = paged_slots_check(NULL, rows, read, nread, offsets, slots);
+    if (status != SK_OK) return status;
+    if (rows > 0 && (q == NULL || keys == NULL || values == NULL || out == NULL))
+        return SK_BAD_SHAPE;
+    long longest = 0;
+    for (long b = 0; b < rows; b++) {
+        long n = offsets[b + 1] - offsets[b];
+        longest = n > longest ? n : longest;
+    }
+    long tasks = rows * kv_heads;
+    if (threads < 1 || tasks * longest < 4096) threads = 1;
+    long per = group * (longest > 0 ? longest : 1);
     long es = kv_bf16 ? 2 : 4, stride = kv_heads * hd * es; /* a slot's row, in bytes */
-    for (long t = t0; t < t1; t++) {
+    float *scratch = malloc(sizeof(float) * (size_t)(per * threads));
+    if (scratch == NULL) return SK_NO_MEMORY;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < tasks; t++) {
+        float *scores = scratch + per * omp_get_thread_num();
         long b = t / kv_heads, h = t % kv_heads;
         long n = offsets[b + 1] - offsets[b];
         long head0 = (b * kv_heads + h) * group * hd;
@@ -296,74 +315,6 @@ static void attend_tasks(const float *q, const void *keys, const void *values, l
         } else {
             for (long i = 0; i < group * hd; i++) out[head0 + i] = 0.0f;
         }
-    }
-}
-
-/* paged_decode_attention's checks; *longest: the most slots a row reads. */
-static int attention_check(const float *q, const void *keys, const void *values, long slots,
-                           long kv_heads, long hd, long group, const long *read, long nread,
-                           const long *offsets, long rows, const float *out, long *longest) {
-    if (kv_heads < 1 || group < 1 || hd < 1) return SK_BAD_SHAPE;
-    if (hd % 8 != 0) return SK_UNSUPPORTED;
-    int status = paged_slots_check(NULL, rows, read, nread, offsets, slots);
-    if (status != SK_OK) return status;
-    if (rows > 0 && (q == NULL || keys == NULL || values == NULL || out == NULL))
-        return SK_BAD_SHAPE;
-    *longest = 0;
-    for (long b = 0; b < rows; b++) {
-        long n = offsets[b + 1] - offsets[b];
-        *longest = n > *longest ? n : *longest;
-    }
-    return SK_OK;
-}
-
-/* q, out: [rows, kv_heads * group, hd]; keys, values: [slots, kv_heads, hd], float32 or
-   (kv_bf16) bf16. Returns SK_OK, SK_UNSUPPORTED when hd is not a multiple of 8,
-   SK_BAD_SHAPE for counts out of range, paged_slots_check's statuses, or SK_NO_MEMORY. */
-int paged_decode_attention(const float *q, const void *keys, const void *values, long slots,
-                           long kv_heads, long hd, long group, const long *read, long nread,
-                           const long *offsets, long rows, float scale, float *out,
-                           int threads, int kv_bf16) {
-    long longest;
-    if (threads < 1) return SK_BAD_SHAPE;
-    int status = attention_check(q, keys, values, slots, kv_heads, hd, group, read, nread,
-                                 offsets, rows, out, &longest);
-    if (status != SK_OK) return status;
-    long tasks = rows * kv_heads;
-    if (tasks * longest < 4096) threads = 1;
-    long per = group * (longest > 0 ? longest : 1);
-    float *scratch = malloc(sizeof(float) * (size_t)(per * threads));
-    if (scratch == NULL) return SK_NO_MEMORY;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long t = 0; t < tasks; t++)
-        attend_tasks(q, keys, values, kv_heads, hd, group, read, offsets, scale, out, kv_bf16,
-                     t, t + 1, scratch + per * omp_get_thread_num());
-    free(scratch);
-    return SK_OK;
-}
-
-/* paged_decode_attention's tasks (a row's KV head each) shared by a team: the calling thread
-   computes tasks claimed one at a time from *next, which it increments atomically, until
-   none is left; every thread of the team calls it with the same counter, zero before the
-   first call (decode_step.c's one parallel region). Statuses as paged_decode_attention's;
-   SK_BAD_SHAPE for a NULL counter. */
-int paged_decode_attention_claim(const float *q, const void *keys, const void *values,
-                                 long slots, long kv_heads, long hd, long group,
-                                 const long *read, long nread, const long *offsets, long rows,
-                                 float scale, float *out, int kv_bf16, long *next) {
-    long longest;
-    if (next == NULL) return SK_BAD_SHAPE;
-    int status = attention_check(q, keys, values, slots, kv_heads, hd, group, read, nread,
-                                 offsets, rows, out, &longest);
-    if (status != SK_OK) return status;
-    float *scratch = NULL;
-    for (long t; (t = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < rows * kv_heads;) {
-        if (scratch == NULL) {
-            scratch = malloc(sizeof(float) * (size_t)(group * (longest > 0 ? longest : 1)));
-            if (scratch == NULL) return SK_NO_MEMORY;
-        }
-        attend_tasks(q, keys, values, kv_heads, hd, group, read, offsets, scale, out, kv_bf16,
-                     t, t + 1, scratch);
     }
     free(scratch);
     return SK_OK;

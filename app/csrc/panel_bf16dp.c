@@ -219,48 +219,17 @@ static void dp_run(const uint32_t *xb, long m, long kp, const uint16_t *p, long 
     }
 }
 
-/* Whether the CPU has AVX512-BF16 (asked once). */
-static int dp_supported(void) {
+/* y [m, n] = x [m, k] @ W^T + bias, W packed by panel_pack_pairs. Returns SK_OK,
+   SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-BF16, SK_NO_MEMORY. */
+int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, const float *bias,
+                  float *y, int threads) {
     static int supported = -1;
     int ok = __atomic_load_n(&supported, __ATOMIC_RELAXED);
     if (ok < 0) {
         ok = panel_has_avx512bf16();
         __atomic_store_n(&supported, ok, __ATOMIC_RELAXED);
     }
-    return ok;
-}
-
-/* linear_bf16dp's product shared by a team: the calling thread computes chunks of panels
-   claimed from *next (claim_chunk: guided, in whole tiles of `tile` panels, for a team of
-   `team`) until none is left. Every thread of the team calls it with the same counter, zero
-   before the first call, so a thread held up (its core taken by another process) leaves the
-   chunks it did not claim to the others (decode_step.c's one parallel region). Every output
-   is computed as by linear_bf16dp. Statuses as linear_bf16dp's; SK_BAD_SHAPE for a NULL
-   counter, a tile or a team below 1. */
-int linear_bf16dp_claim(const float *x, long m, long k, const uint16_t *p, long n,
-                        const float *bias, float *y, long *next, long tile, int team) {
-    if (!dp_supported()) return SK_NO_ISA;
-    if (m < 0 || k < 1 || n < 1 || next == NULL || tile < 1 || team < 1) return SK_BAD_SHAPE;
-    long kp = (k + 1) / 2, panels = (n + NR - 1) / NR, q0, q1;
-    if (m == 0) return SK_OK;
-    uint32_t *xb = NULL;
-    while (claim_chunk(next, panels, tile, team, &q0, &q1)) {
-        if (xb == NULL) { /* the rows in pairs, once a call, when it has a chunk */
-            xb = malloc(sizeof(uint32_t) * (size_t)(m * kp));
-            if (xb == NULL) return SK_NO_MEMORY;
-            to_pairs(x, m, k, xb);
-        }
-        dp_run(xb, m, kp, p, n, bias, y, q0, q1);
-    }
-    free(xb);
-    return SK_OK;
-}
-
-/* y [m, n] = x [m, k] @ W^T + bias, W packed by panel_pack_pairs. Returns SK_OK,
-   SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-BF16, SK_NO_MEMORY. */
-int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, const float *bias,
-                  float *y, int threads) {
-    if (!dp_supported()) return SK_NO_ISA;
+    if (!ok) return SK_NO_ISA;
     if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
     long kp = (k + 1) / 2, panels = (n + NR - 1) / NR;
     uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)(m * kp));

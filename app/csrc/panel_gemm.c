@@ -199,34 +199,3 @@ int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
     default: return linear_i8dp(x, m, k, p, n, bias, scale, y, threads);
     }
 }
-
-/* panel_linear_w's product shared by a team: the calling thread computes chunks of panels
-   claimed from *next (vec_math.h's claim_chunk: guided, large first and small last, in whole
-   tiles of `tile` panels, for a team of `team`) until none is left; every thread of the team
-   calls it with the same counter, zero before the first call (the decode step's one
-   parallel region, decode_step.c: a thread whose core another process takes leaves the
-   chunks it did not claim to the others instead of holding them up at the next barrier).
-   Every output is the same chain of sums as panel_linear_w's. Statuses as panel_linear_w's;
-   SK_BAD_SHAPE for a NULL counter, a tile or a team below 1. */
-int panel_linear_claim(const float *x, long m, long k, const void *p, int wtype,
-                       const float *scale, long n, const float *bias, float *y, long *next,
-                       long tile, int team) {
-    if (m < 0 || k < 1 || n < 1 || next == NULL || tile < 1 || team < 1) return SK_BAD_SHAPE;
-    if (wtype < W_F32 || wtype > W_I8DP) return SK_BAD_KIND;
-    if ((wtype == W_I8 || wtype == W_I8DP) && scale == NULL) return SK_BAD_KIND;
-    if (m == 0) return SK_OK;
-    if (x == NULL || p == NULL || y == NULL) return SK_BAD_SHAPE;
-    if (wtype == W_BF16DP)
-        return linear_bf16dp_claim(x, m, k, p, n, bias, y, next, tile, team);
-    if (wtype == W_I8DP)
-        return linear_i8dp_claim(x, m, k, p, n, bias, scale, y, next, tile, team);
-    long panels = (n + NR - 1) / NR, q0, q1;
-    while (claim_chunk(next, panels, tile, team, &q0, &q1)) {
-        switch (wtype) {
-        case W_F32: run_scaled_f32(x, m, k, p, n, bias, NULL, y, q0, q1); break;
-        case W_BF16: run_scaled_bf16(x, m, k, p, n, bias, NULL, y, q0, q1); break;
-        default: run_scaled_i8(x, m, k, p, n, bias, scale, y, q0, q1); break;
-        }
-    }
-    return SK_OK;
-}

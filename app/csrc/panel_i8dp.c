@@ -252,22 +252,19 @@ static void vn_run(const struct vn_job *j, long q0, long q1) {
     }
 }
 
-/* Whether the CPU has AVX512-VNNI (asked once). */
-static int vn_supported(void) {
+/* y [m, n] = x [m, k] @ (W * scale)^T + bias, W packed by panel_pack_pairs_i8, scale [n].
+   Returns SK_OK, SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
+int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
+                const float *scale, float *y, int threads) {
     static int supported = -1;
     int ok = __atomic_load_n(&supported, __ATOMIC_RELAXED);
     if (ok < 0) {
         ok = panel_has_avx512vnni();
         __atomic_store_n(&supported, ok, __ATOMIC_RELAXED);
     }
-    return ok;
-}
-
-/* A product's job, x converted into its 16-bit pairs and block scales (freed by vn_free).
-   Returns SK_OK or SK_NO_MEMORY. */
-static int vn_start(struct vn_job *j, const float *x, long m, long k, const int8_t *p, long n,
-                    const float *bias, const float *scale, float *y) {
-    long kp = (k + 1) / 2, blocks = (kp + KB - 1) / KB;
+    if (!ok) return SK_NO_ISA;
+    if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
+    long kp = (k + 1) / 2, panels = (n + NR - 1) / NR, blocks = (kp + KB - 1) / KB;
     uint32_t *xq = malloc(sizeof(uint32_t) * (size_t)(m * kp));
     float *xs = malloc(sizeof(float) * (size_t)(m * blocks));
     if (xq == NULL || xs == NULL) {
@@ -276,46 +273,7 @@ static int vn_start(struct vn_job *j, const float *x, long m, long k, const int8
         return SK_NO_MEMORY;
     }
     to_i16(x, m, k, xq, xs);
-    *j = (struct vn_job){xq, xs, scale, bias, p, y, m, kp, blocks, n};
-    return SK_OK;
-}
-
-static void vn_free(struct vn_job *j) {
-    free((void *)j->xq);
-    free((void *)j->xs);
-}
-
-/* linear_i8dp's product shared by a team, chunks claimed from *next as linear_bf16dp_claim.
-   Statuses as linear_i8dp's; SK_BAD_SHAPE for a NULL counter, a tile or a team below 1. */
-int linear_i8dp_claim(const float *x, long m, long k, const int8_t *p, long n,
-                      const float *bias, const float *scale, float *y, long *next, long tile,
-                      int team) {
-    if (!vn_supported()) return SK_NO_ISA;
-    if (m < 0 || k < 1 || n < 1 || next == NULL || tile < 1 || team < 1) return SK_BAD_SHAPE;
-    long panels = (n + NR - 1) / NR, q0, q1;
-    if (m == 0) return SK_OK;
-    struct vn_job job;
-    int started = 0;
-    while (claim_chunk(next, panels, tile, team, &q0, &q1)) {
-        if (!started) { /* the rows as 16-bit integers, once a call, when it has a chunk */
-            if (vn_start(&job, x, m, k, p, n, bias, scale, y) != SK_OK) return SK_NO_MEMORY;
-            started = 1;
-        }
-        vn_run(&job, q0, q1);
-    }
-    if (started) vn_free(&job);
-    return SK_OK;
-}
-
-/* y [m, n] = x [m, k] @ (W * scale)^T + bias, W packed by panel_pack_pairs_i8, scale [n].
-   Returns SK_OK, SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
-int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
-                const float *scale, float *y, int threads) {
-    if (!vn_supported()) return SK_NO_ISA;
-    if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
-    long kp = (k + 1) / 2, panels = (n + NR - 1) / NR;
-    struct vn_job job;
-    if (vn_start(&job, x, m, k, p, n, bias, scale, y) != SK_OK) return SK_NO_MEMORY;
+    struct vn_job job = {xq, xs, scale, bias, p, y, m, kp, blocks, n};
     if (threads > panels) threads = (int)panels;
     if (threads <= 1 || m * n * k < 65536) {
         vn_run(&job, 0, panels);
@@ -338,6 +296,7 @@ int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const f
             if (q1 > q0) vn_run(&job, q0, q1);
         }
     }
-    vn_free(&job);
+    free(xq);
+    free(xs);
     return SK_OK;
 }

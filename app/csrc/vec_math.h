@@ -114,27 +114,4 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(h);
 }
 
-/* The next chunk of a product whose panels a team shares (panel_linear_claim): panels
-   [*q0, *q1) claimed from *next (the panels claimed so far, zero at first), guided as
-   OpenMP's schedule: half a thread's fair share of what is left (left / (2 team)), in whole
-   tiles, so the first chunks are large and the last small. A large chunk keeps a thread's
-   panels consecutive (each tile fetches the next one's towards L2); small ones at the end
-   leave little for the others to wait on when a thread is held up. Returns 0 when no panel
-   is left. */
-static inline int claim_chunk(long *next, long panels, long tile, long team, long *q0,
-                              long *q1) {
-    long c = __atomic_load_n(next, __ATOMIC_RELAXED);
-    while (c < panels) {
-        long size = (panels - c + 2 * team - 1) / (2 * team);
-        long end = c + (size + tile - 1) / tile * tile;
-        end = end < panels ? end : panels;
-        if (__atomic_compare_exchange_n(next, &c, end, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-            *q0 = c;
-            *q1 = end;
-            return 1;
-        }
-    }
-    return 0;
-}
-
 #endif

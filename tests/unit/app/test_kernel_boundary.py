@@ -82,12 +82,6 @@ FUZZ = textwrap.dedent("""
     x = torch.randn(3, 20); p = torch.zeros(lib.panel_floats(40, 20)); y = torch.empty(3, 40)
     lin = lambda m, k, n, wtype=0, scale=None, threads=1: lib.panel_linear_w(
         P(x), m, k, P(p), wtype, scale, n, None, P(y), threads)
-    claim = lambda counter, tile, wtype=0, team=2: lib.panel_linear_claim(
-        P(x), 3, 20, P(p), wtype, None, 40, None, P(y),
-        None if counter is None else P(counter), tile, team)
-    attn_claim = lambda read, offsets, counter: lib.paged_decode_attention_claim(
-        P(q), P(pool[0]), P(pool[1]), slots, kvh, hd, group, P(read), read.numel(),
-        P(offsets), 2, 0.25, P(out), 0, None if counter is None else P(counter))
     cases.update({
         "product ok": (lin(3, 20, 40), 0), "zero rows product": (lin(0, 20, 40), 0),
         "negative rows product": (lin(-1, 20, 40), -3), "k 0": (lin(3, 0, 40), -3),
@@ -95,14 +89,6 @@ FUZZ = textwrap.dedent("""
         "int8 without scales": (lin(3, 20, 40, wtype=2), -4),
         "int8dp without scales": (lin(3, 20, 40, wtype=4), -4),
         "threads 0": (lin(3, 20, 40, threads=0), -3),
-        "claim ok": (claim(L(0), 4), 0), "claim tile 0": (claim(L(0), 0), -3),
-        "claim team 0": (claim(L(0), 4, team=0), -3),
-        "claim without a counter": (claim(None, 4), -3),
-        "claim of an unknown wtype": (claim(L(0), 4, wtype=9), -4),
-        "attention claim ok": (attn_claim(ok, L(0, 2, 4), L(0)), 0),
-        "attention claim without a counter": (attn_claim(ok, L(0, 2, 4), None), -3),
-        "attention claim read past the pool": (
-            attn_claim(L(0, 1, 2, slots), L(0, 2, 4), L(0)), -7),
         "element size 4": (lib.panel_pack_bytes(P(x), 20, 3, 20, P(p), 4), -10),
     })
     # prefill attention: starts beyond the padded past, counts out of range

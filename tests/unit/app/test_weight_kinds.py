@@ -5,9 +5,6 @@ the same rounded weights; the config decides the kind (dtype, weights, auto)."""
 
 from __future__ import annotations
 
-import ctypes
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,35 +94,6 @@ def test_a_product_is_the_rounded_weights_and_the_same_in_any_batch(kind, avx512
                 assert torch.equal(panel(x[m // 2:m // 2 + 1])[0], got[m // 2])  # batch of one
     finally:
         lib.panel_set_avx512(1)
-
-
-@pytest.mark.parametrize("kind", ["float32", *KINDS])
-@torch.inference_mode()
-def test_a_product_shared_in_claimed_chunks_is_the_whole_product_bit_for_bit(kind):
-    """panel_linear_claim (the decode step's products, shared by its team): threads calling
-    it with one counter take its chunks as they come free, every panel once, and together
-    they write the product panel_linear_w computes, whatever the tile and the threads."""
-    lib = load_kernel()
-    torch.manual_seed(2)
-    for n, k in ((100, 71), (576, 576)):
-        panel = PanelLinear(nn.Linear(k, n), weights=kind)
-        scale = None if panel.weight_scale is None else panel.weight_scale.data_ptr()
-        for m in (1, 8, 13, 49):
-            x = torch.randn(m, k)
-            want = panel(x)
-            for tile, threads in ((1, 3), (3, 2), (4, 1), (100, 2)):
-                got = torch.full((m, n), float("nan"))
-                counter = ctypes.c_long(0)
-
-                def share() -> int:
-                    return lib.panel_linear_claim(
-                        x.data_ptr(), m, k, panel.panels.data_ptr(), panel._wtype, scale, n,
-                        panel._bias.data_ptr(), got.data_ptr(), ctypes.addressof(counter),
-                        tile, threads)
-                with ThreadPoolExecutor(threads) as pool:  # ctypes drops the GIL: at once
-                    assert list(pool.map(lambda _: share(), range(threads))) == [0] * threads
-                assert torch.equal(got, want), (kind, n, m, tile, threads)
-                assert counter.value == -(-n // 16)  # the panels claimed: all, once
 
 
 @pytest.mark.skipif(not _vnni(), reason="the CPU has no AVX512-VNNI")
