@@ -120,7 +120,7 @@ class EngineCore:
         that run passes from that thread: the process then has one OpenMP team, as a replica
         has. (Passes on this thread of an engine loaded on its own would start a second
         team, and libgomp then sleeps the workers at every barrier: a 2-thread decode step
-        ran 1.3x slower.)"""
+        ran up to 1.3x slower.)"""
         return cls(config, model=load_model(config))
 
     def lane(self, index: int) -> ThreadPoolExecutor:

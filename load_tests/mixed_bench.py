@@ -102,7 +102,7 @@ def streams_during_prefill(batch: Batch, prefiller: Prefiller, mixed: bool,
 def measure(threads: int, rounds: int) -> dict[str, dict[str, float]]:
     torch.set_num_threads(threads)
     core = EngineCore.here(EngineConfig(model=DEFAULT_MODEL, num_threads=threads,
-                                   prefill_chunk_tokens=CHUNK, prefix_cache_mb=0))
+                                        prefill_chunk_tokens=CHUNK, prefix_cache_mb=0))
     prefiller = core.make_prefiller()
     batch = Batch(core, [CONTEXT] * ROWS, seed=2)
     one_pass_vs_two(batch, prefiller, seed=0)  # warm both paths

@@ -124,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     core = EngineCore.here(EngineConfig(model=DEFAULT_MODEL, num_threads=args.threads,
-                                   prefill_chunk_tokens=args.chunk))
+                                        prefill_chunk_tokens=args.chunk))
     whole = EngineCore.here(EngineConfig(model=DEFAULT_MODEL, num_threads=args.threads,
-                                    prefill_chunk_tokens=args.chunk, prefill_preempt_layers=0))
+                                         prefill_chunk_tokens=args.chunk,
+                                         prefill_preempt_layers=0))
     rng = random.Random(0)
     rows: dict[str, list[float]] = {}
     for _ in range(args.repeats):  # interleaved, so a busy spell hits each alike
