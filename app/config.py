@@ -176,7 +176,7 @@ class EngineConfig:
     """The engine thread's CPU priority (Linux nice, -20..19; the OpenMP workers it starts
     inherit it); None: the process's. A decode step on a core shared with the serving stack
     is preempted by its threads' wake-ups hundreds of times a second; a lower nice keeps the
-    core for the step (BENCHMARKS.md, "The decode thread's CPU priority"). Below the
+    core for the step (BENCHMARKS.md, "Settings behind the serve configs"). Below the
     process's own it needs CAP_SYS_NICE (or RLIMIT_NICE): where the OS refuses, the replica
     logs it and keeps its priority (app.engine_core.set_thread_nice). In a serve config it is
     set per phase (prefill/decode/colocated nice), not under engine."""

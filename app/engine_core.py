@@ -103,7 +103,8 @@ class EngineCore:
             self.fingerprint = self.thread.submit(
                 lambda: fingerprint(self.model).as_str()).result()
             # the weights' packing too: its parallel ops on this constructor's thread would
-            # start a second OpenMP team (see above; served, BENCHMARKS.md §7 "One OpenMP team")
+            # start a second OpenMP team (see above; served, BENCHMARKS.md §7, "Settings
+            # behind the serve configs")
             self.runner = self.thread.submit(ModelRunner, self.model, config).result()
         else:
             # the caller's model, built on the caller's thread (benchmarks and tests that
