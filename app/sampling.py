@@ -187,6 +187,8 @@ def sample_tokens(
     logits = logits.float()
     out: list[int] = [0] * len(params)
     plain_greedy = [i for i, p in enumerate(params) if p.greedy and p.plain]
+    if len(plain_greedy) == len(params):  # every row: one argmax over the whole batch
+        return logits.argmax(dim=-1).tolist()
     if plain_greedy:
         idx = torch.tensor(plain_greedy, device=logits.device)
         picked = logits.index_select(0, idx).argmax(dim=-1).tolist()
