@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from app.errors import InvalidRequestError
-from app.sampling import SamplingParams, process_logits, sample_tokens, token_logprobs
+from app.sampling import (
+    SamplingParams,
+    greedy_tokens,
+    process_logits,
+    sample_tokens,
+    token_logprobs,
+)
 
 V = 1000
 
@@ -309,3 +315,23 @@ def test_token_logprobs_are_the_raw_log_softmax(monkeypatch):
 
     monkeypatch.setattr(torch, "log_softmax", no_log_softmax)
     assert token_logprobs(logits, [SamplingParams()] * 3, tokens) == [None] * 3
+
+
+def test_greedy_tokens_pick_as_torch_argmax_does():
+    # ties go to the first maximum, a NaN counts as the maximum, an all -inf row gives 0
+    rows = torch.randn(6, 49152)
+    rows[1, 7] = rows[1, 9000] = 50.0
+    rows[2, 123] = float("nan")
+    rows[2, 40000] = float("nan")
+    rows[3] = float("-inf")
+    rows[4, -1] = 1e9
+    rows[5, 0] = 1e9
+    expected = rows.argmax(dim=-1).tolist()
+    assert expected[1:] == [7, 123, 0, 49151, 0]
+    assert greedy_tokens(rows) == expected
+    assert greedy_tokens(rows[2:3]) == [123]
+    # a non-contiguous view (the rows a batch picked) and bf16 logits made float32
+    assert greedy_tokens(rows[::2]) == rows[::2].argmax(dim=-1).tolist()
+    half = rows[4:].bfloat16()
+    assert sample_tokens(half, [SamplingParams(max_tokens=4, temperature=0.0)] * 2, [0, 0]) \
+        == half.float().argmax(dim=-1).tolist()
