@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -76,18 +77,19 @@ class PagedDecodeStep:
         """Row ``i`` writes its new token at ``positions[i]`` and reads ``0..positions[i]``.
         ``inplace``: for :func:`inplace_attention_unavailable`'s kernel (CPU, float32 or bf16)."""
         rows = len(tables)
+        if inplace:
+            counts = [p + 1 for p in positions]
+            read = cache.rows_slots(tables, counts)
+            offsets = torch.from_numpy(np.cumsum([0, *counts], dtype=np.int64))
+            write = read[offsets[1:] - 1]  # each row's last slot: its new token's
+            return cls(rows=rows, write_slots={d: write.to(d) for d in cache.devices},
+                       read_slots={d: read for d in cache.devices},
+                       mask={d: None for d in cache.devices}, inplace=True, offsets=offsets)
         lengths = torch.tensor([p + 1 for p in positions])
         longest = int(lengths.max())
         per_row = [cache.slot_index(table, n)
                    for table, n in zip(tables, lengths.tolist(), strict=True)]
         write = torch.stack([slots[-1] for slots in per_row])
-        if inplace:
-            read = torch.cat(per_row)
-            offsets = torch.zeros(rows + 1, dtype=torch.long)
-            torch.cumsum(lengths, 0, out=offsets[1:])
-            return cls(rows=rows, write_slots={d: write.to(d) for d in cache.devices},
-                       read_slots={d: read for d in cache.devices},
-                       mask={d: None for d in cache.devices}, inplace=True, offsets=offsets)
         exact = rows * longest > _EXACT_OVER_PADDED * int(lengths.sum())
         if exact:
             read = torch.cat(per_row)

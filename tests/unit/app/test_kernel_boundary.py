@@ -246,3 +246,36 @@ def test_without_a_compiler_the_engine_warns_why_and_serves_on_torch(tmp_path):
     assert any("decode steps run through the model's modules" in w for w in warnings)
     assert any("prefill attention run through the model's SDPA" in w
                and "no C compiler" in w for w in warnings), warnings
+
+
+def test_an_in_place_step_reads_every_row_slots_as_slot_index_gives_them():
+    import random
+
+    import torch
+
+    from app.attention import PagedDecodeStep
+    from app.config import EngineConfig
+    from app.model_runner import ModelRunner
+    from tests.conftest import make_tiny_model
+
+    cache = ModelRunner(make_tiny_model(), EngineConfig()).make_kv_cache(64, 16)
+    rng = random.Random(3)
+    blocks = list(range(64))
+    rng.shuffle(blocks)
+    positions = [0, 15, 16, 31, 100, 47]  # a block's first and last slots, several blocks
+    tables = []
+    for pos in positions:
+        need = pos // 16 + 1 + rng.randrange(2)  # some tables hold a spare block
+        tables.append([blocks.pop() for _ in range(need)])
+    step = PagedDecodeStep.build(cache, tables, positions, inplace=True)
+    per_row = [cache.slot_index(t, p + 1) for t, p in zip(tables, positions, strict=True)]
+    (read,), (write,) = step.read_slots.values(), step.write_slots.values()
+    assert torch.equal(read, torch.cat(per_row))
+    assert torch.equal(write, torch.stack([s[-1] for s in per_row]))
+    assert step.offsets.tolist() == [0, *torch.cumsum(torch.tensor(
+        [p + 1 for p in positions]), 0).tolist()]
+    assert read.dtype == write.dtype == step.offsets.dtype == torch.long
+    with pytest.raises(IndexError, match="need 2 blocks"):
+        PagedDecodeStep.build(cache, [[0], [1]], [3, 16], inplace=True)
+    with pytest.raises(IndexError, match="outside the pool"):
+        PagedDecodeStep.build(cache, [[0], [64]], [3, 5], inplace=True)
