@@ -248,7 +248,7 @@ def test_without_a_compiler_the_engine_warns_why_and_serves_on_torch(tmp_path):
                and "no C compiler" in w for w in warnings), warnings
 
 
-def test_an_in_place_step_reads_every_row_slots_as_slot_index_gives_them():
+def test_an_in_place_step_reads_every_row_slots_where_their_tables_put_them():
     import random
 
     import torch
@@ -268,10 +268,12 @@ def test_an_in_place_step_reads_every_row_slots_as_slot_index_gives_them():
         need = pos // 16 + 1 + rng.randrange(2)  # some tables hold a spare block
         tables.append([blocks.pop() for _ in range(need)])
     step = PagedDecodeStep.build(cache, tables, positions, inplace=True)
-    per_row = [cache.slot_index(t, p + 1) for t, p in zip(tables, positions, strict=True)]
+    per_row = [[t[j // 16] * 16 + j % 16 for j in range(p + 1)]  # position j's slot
+               for t, p in zip(tables, positions, strict=True)]
     (read,), (write,) = step.read_slots.values(), step.write_slots.values()
-    assert torch.equal(read, torch.cat(per_row))
-    assert torch.equal(write, torch.stack([s[-1] for s in per_row]))
+    assert read.tolist() == [slot for row in per_row for slot in row]
+    assert write.tolist() == [row[-1] for row in per_row]
+    assert cache.slot_index(tables[4], 101).tolist() == per_row[4]
     assert step.offsets.tolist() == [0, *torch.cumsum(torch.tensor(
         [p + 1 for p in positions]), 0).tolist()]
     assert read.dtype == write.dtype == step.offsets.dtype == torch.long
