@@ -214,8 +214,9 @@ class PrefillQueue:
         runs beside the first's instead of after it. The extra lanes take long prompts
         only (at least half a chunk left): short ones, which each wait for their whole pass,
         finish sooner one pass after another at full speed than two at once on shared cores
-        (chats' TTFT rose when they took them too: BENCHMARKS.md, "Tried, not kept"), so
-        they go to lane 0, or wait there for a pause between layers (``_pass``)."""
+        (chats' TTFT p50 747 -> 1,170 ms when they took them too; `git show
+        6105e59:BENCHMARKS.md`, "Tried, not kept"), so they go to lane 0, or wait there for
+        a pause between layers (``_pass``)."""
         layers = self.core.config.prefill_preempt_layers or None
         while True:
             free = [i for i in range(self.lanes) if i not in self._running]
