@@ -202,9 +202,7 @@ class EngineConfig:
     """Prompts (rows) one prefill pass may hold."""
     prefill_chunk_tokens: int = 256
     """A prefill pass computes at most this many tokens, padding included: long prompts in
-    chunks of it, short ones together up to it; a chunk that finishes its prompt may take a
-    quarter of a pass more, so a prompt's last few tokens get no pass of their own
-    (app.prefill_policy.MAX_RUNT)."""
+    chunks of it, short ones together up to it (app.prefill)."""
     prefill_batch_tokens: int | None = None
     """A prefill pass (or a decode step's prompt chunks) takes no more prompts once it holds
     this many tokens. Every prompt in a pass waits for the whole pass, and on a CPU a short

@@ -19,11 +19,6 @@ from typing import Any, Protocol
 
 # Padding may add at most this fraction of a pass's real tokens.
 MAX_PADDING = 0.25
-# A prompt's chunk takes the whole rest of the prompt where that makes its pass at most this
-# fraction of a pass longer: a few tokens in a pass of their own cost about what reading the
-# weights costs (W-long on SmolLM2: a 12-token chunk beside three decode rows 40-50 ms, a
-# 253-token one 205-250 ms).
-MAX_RUNT = 0.25
 # A plan looks at most this many candidates past its head (the rows it can take are far
 # fewer: prefill_max_batch_size), so a long queue costs a plan nothing more.
 PLAN_SCAN = 64
@@ -64,18 +59,8 @@ class PrefillPolicy:
         """What one pass computes at most: ``min(token_budget, chunk_tokens)``."""
         return min(self.token_budget, self.chunk_tokens)
 
-    @property
-    def runt_tokens(self) -> int:
-        """How many tokens over its budget a pass may take to finish a prompt
-        (``MAX_RUNT`` of a pass)."""
-        return int(MAX_RUNT * self.pass_tokens)
-
     def chunk_of(self, job: Job) -> int:
-        """``job``'s next chunk in a pass of its own: ``chunk_tokens``, or the whole rest of
-        its prompt where that is at most ``runt_tokens`` more."""
-        if job.remaining <= self.chunk_tokens + self.runt_tokens:
-            return job.remaining
-        return self.chunk_tokens
+        return min(job.remaining, self.chunk_tokens)
 
     def extra_lane_takes(self, job: Job) -> bool:
         """A prefill replica's extra lanes (``prefill_lanes`` > 1) take long prompts only:
@@ -125,10 +110,8 @@ class PrefillPolicy:
         most one pass's tokens, decode rows included, but at least a quarter of that for the
         chunks (a full decode batch never starves the prompts); ``head`` first, then the
         candidates, each up to ``chunk_tokens`` of what is left, laid end to end (no
-        padding); a chunk takes the rest of its prompt where the pass stays within
-        ``runt_tokens`` over its budget. Returns the rows and their chunk sizes."""
+        padding). Returns the rows and their chunk sizes."""
         left = max(self.pass_tokens - decode_rows, self.pass_tokens // 4, 1)
-        finishing = self.pass_tokens + self.runt_tokens - decode_rows  # chunk tokens at most
         rows: list[Job] = []
         sizes: list[int] = []
         for job in itertools.chain((head,), by_remaining):
@@ -137,8 +120,6 @@ class PrefillPolicy:
             if job is head and rows:
                 continue
             n = min(self.chunk_of(job), left)
-            if n < job.remaining <= finishing - sum(sizes):
-                n = job.remaining
             rows.append(job)
             sizes.append(n)
             left -= n
