@@ -61,6 +61,13 @@ from deployments.token_feed import FeedHub
 logger = logging.getLogger(__name__)
 
 
+def by_reference(handle: DeploymentHandle | None) -> DeploymentHandle | None:
+    """``handle`` calling through Ray's object store whatever the cluster's default: a KV
+    package travels as an ObjectRef (``SplitPath``), which a by-value call (Serve's gRPC
+    transport, the default under ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``) cannot give."""
+    return None if handle is None else handle.options(_by_reference=True)
+
+
 def _package_version() -> str:
     try:
         return importlib.metadata.version("splitserve")
@@ -79,6 +86,7 @@ class Ingress(RequestPrep, Answers):
         """``decode`` streams tokens; in the colocated app it is the ColocatedServer, which
         prefills every prompt itself, and ``prefill`` is None."""
         self.args = AppArgs.model_validate(args)
+        prefill, decode = by_reference(prefill), by_reference(decode)
         self.tokenizer = load_tokenizer(self.args.engine)
         self.prompts = PromptBuilder(self.tokenizer)
         self.shape = read_model_shape(self.args.engine)

@@ -668,3 +668,27 @@ def test_where_prefill_passes_pause_for_short_prompts_a_burst_shares_both_phases
     # ahead at the prefill phase: short there + 256 // 4; locally 0, 64, ... tokens:
     # c0 local (0 < 64), c1 hops (64 vs 64), c2 local (64 < 128), c3 hops (128 vs 128), ...
     assert where == ["generate_local", "generate"] * 3
+
+
+def test_the_ingress_calls_the_phases_by_reference_whatever_the_clusters_default(monkeypatch):
+    """Serve's gRPC transport (``RAY_SERVE_USE_GRPC_BY_DEFAULT``, which
+    ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` turns on) makes a handle's calls by value, and a
+    by-value call has no ObjectRef to give: the KV package's ``_to_object_ref`` raised and
+    every split request answered 500. The ingress's handles call by reference, streaming
+    ones too (``SplitPath`` and the token feed add ``stream=True``)."""
+    from ray.serve._private.handle_options import DynamicHandleOptions
+    from ray.serve.handle import DeploymentHandle
+
+    from deployments.ingress import by_reference
+
+    # no Serve instance here: a handle's router is made when it is first used
+    monkeypatch.setattr(DeploymentHandle, "_init",
+                        lambda self, **_: setattr(self, "_router", object()))
+    by_value = DeploymentHandle("DecodeServer", "app",
+                                handle_options=DynamicHandleOptions(_by_reference=False))
+    handle = by_reference(by_value)
+    assert by_value.handle_options._by_reference is False
+    assert handle.handle_options._by_reference is True
+    streaming = handle.options(stream=True)
+    assert streaming.handle_options._by_reference is True and streaming.handle_options.stream
+    assert by_reference(None) is None  # the colocated app has no prefill phase
