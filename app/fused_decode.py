@@ -13,10 +13,12 @@ It serves Llama-style decoders (Llama, Mistral, Qwen2: pre-norm RMSNorm layers, 
 attention with grouped KV heads, a SiLU-gated MLP) whose linears are panel-packed and whose
 attention reads the pool in place. :func:`fused_decode_unavailable` says why a model is not
 served (the runner then steps through the model's modules, as before). The embedding lookup
-and the rotary module's cos/sin stay the model's own (one call each), so any rope scaling the
-model implements holds. The q/k/v panels and the gate/up panels are laid side by side in one
-buffer each (the separate layers' panels become views of it: no extra memory), so each pair
-or triple is one product.
+stays the model's own, and so do the rotary module's cos/sin: made by the module, for
+every position up to the longest seen, once (:class:`RotaryTable`; a step gathers its rows),
+or per step where the module's values depend on more than the position (dynamic rope
+scaling), so any rope scaling the model implements holds. The q/k/v panels and the gate/up
+panels are laid side by side in one buffer each (the separate layers' panels become views of
+it: no extra memory), so each pair or triple is one product.
 
 Prefill and mixed passes keep the model's modules: a pass over hundreds of tokens spends its
 time in the products, not in dispatch.
@@ -130,6 +132,37 @@ def layer_weights(model: torch.nn.Module) -> list[list[torch.Tensor | None]]:
     return tables
 
 
+class RotaryTable:
+    """The rotary module's cos/sin, widened to float32 (what ``decode_step.c`` reads), for
+    positions 0..n-1, made by the module itself and grown as longer positions come: a
+    decode step gathers its rows instead of calling the module and widening what it returns
+    (0.1 ms a step, several times its time alone while the step's weights hold the caches).
+    The module computes each position's values on their own, so a row is the module's
+    answer for that position bit for bit; rope types whose module rescales by the sequence
+    length (``dynamic``, ``longrope``) get no table (:meth:`for_module`)."""
+
+    POSITION_ONLY = frozenset({"default", "linear", "llama3", "yarn"})
+
+    def __init__(self, rotary: torch.nn.Module, dtype: torch.dtype) -> None:
+        self.rotary, self.dtype = rotary, dtype
+        self.cos = self.sin = torch.empty(0)
+
+    @classmethod
+    def for_module(cls, rotary: torch.nn.Module, dtype: torch.dtype) -> RotaryTable | None:
+        position_only = getattr(rotary, "rope_type", "default") in cls.POSITION_ONLY
+        return cls(rotary, dtype) if position_only else None
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, head_dim] float32 at ``positions`` [B] (long)."""
+        top = int(positions.max()) + 1
+        if top > len(self.cos):
+            n = max(top, 2 * len(self.cos), 1024)
+            probe = torch.empty(1, 1, 1, dtype=self.dtype)  # the module reads its dtype only
+            cos, sin = self.rotary(probe, torch.arange(n).unsqueeze(0))
+            self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+
 class FusedDecode:
     """Decode steps of a Llama-style model as one call to ``decode_step.c``."""
 
@@ -157,6 +190,19 @@ class FusedDecode:
         assert self._lib.decode_step_layer_ptrs() == len(self._weights[0]) + 2
         self._table: ctypes.Array | None = None
         self._table_cache: PagedKVCache | None = None
+        self._rotary = model.model.rotary_emb
+        # the module's dtype: the embeddings' (what the step's hidden states come in)
+        self._rotary_table = RotaryTable.for_module(
+            self._rotary, model.get_input_embeddings().weight.dtype)
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, head_dim] at ``positions`` [B, 1] for the step over ``hidden``
+        [B, 1, H] (the embeddings): the table's rows, or the module's answer."""
+        if self._rotary_table is not None:
+            return self._rotary_table.rows(positions[:, 0])
+        cos, sin = self._rotary(hidden, positions)
+        return cos[:, 0], sin[:, 0]
 
     def _pointers(self, cache: PagedKVCache) -> ctypes.Array:
         """The pointer table for ``cache``'s pool (built once per pool)."""

@@ -328,8 +328,8 @@ class ModelRunner:
         with self.lock:
             hidden = self.embed_tokens(ids)  # [B, 1, H]
             if self.fused is not None:
-                cos, sin = self.rotary_emb(hidden, pos)  # [B, 1, head_dim] each
-                return self.fused(hidden[:, 0], cos[:, 0], sin[:, 0], cache, step)
+                cos, sin = self.fused.rotary(hidden, pos)  # [B, head_dim] each
+                return self.fused(hidden[:, 0], cos, sin, cache, step)
             hidden = self._layers_forward(hidden, pos, None, PagedCacheView(cache, step),
                                           paged_step=step)
             return self._logits(hidden[:, -1])

@@ -142,3 +142,29 @@ def test_qwen3s_per_head_norms_are_not_fused():
     core = EngineCore(EngineConfig(), model=model)
     assert core.runner.fused is None
     assert "Qwen3DecoderLayer" in core.runner.fused_reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_table_is_the_modules_answer_at_every_position(dtype):
+    """A decode step gathers cos/sin from a table the rotary module made once (grown as
+    longer positions come) instead of calling the module each step: each row must be the
+    module's own answer for that position, widened to float32, bit for bit, in the model's
+    dtype (a bf16 model's module rounds to bf16). A module that rescales by the sequence
+    length (dynamic rope) gets no table: it is asked every step."""
+    from app.fused_decode import RotaryTable
+
+    model = make_tiny_model(rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    rotary = model.model.rotary_emb
+    table = RotaryTable.for_module(rotary, dtype)
+    for positions in ([0, 7, 3, 1023], [1024, 5, 2047], [9000, 0, 4096]):  # grows twice
+        pos = torch.tensor(positions)
+        cos, sin = table.rows(pos)
+        probe = torch.zeros(len(positions), 1, 64, dtype=dtype)
+        want_cos, want_sin = rotary(probe, pos.unsqueeze(1))
+        assert cos.dtype == torch.float32 and cos.shape == (len(positions), 16)
+        assert torch.equal(cos, want_cos[:, 0].float())
+        assert torch.equal(sin, want_sin[:, 0].float())
+    assert len(table.cos) == 9001
+    dynamic = make_tiny_model(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                               "rope_theta": 10000.0})
+    assert RotaryTable.for_module(dynamic.model.rotary_emb, dtype) is None
