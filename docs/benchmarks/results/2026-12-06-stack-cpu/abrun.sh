@@ -10,7 +10,7 @@ O=$1; mkdir -p "$O"; cd /work/main
 HERE=$(cd "$(dirname "$0")" && pwd)
 i=0
 for t in $2; do
-  i=$((i+1)); ray stop --force >/dev/null 2>&1; sleep 2
+  i=$((i+1)); /work/main/.venv/bin/ray stop --force >/dev/null 2>&1; sleep 2
   d=$O/run$i-$t; mkdir -p "$d"
   if [ "$t" = a ]; then D=${CA:-serve_configs}; E=${ENV_A:-}; else D=${CB:-${CA:-serve_configs}}; E=${ENV_B:-}; fi
   ( for kv in $E; do export "$kv"; done
@@ -21,9 +21,9 @@ for t in $2; do
     SEED=${SEED:-0} RESULT_DIR=$d bench w 8000 "${IL:-64}" "${OL:-64}" "${N:-128}" "${C:-8}" inf \
       --ignore-eos > "$d/w.log" 2>&1 &
     B=$!
-    if [ "${THREADS:-0}" = 1 ]; then sleep "${TS:-6}"; /work/tools/bin/python "$HERE/threads.py" 15 > "$d/threads.txt"; fi
+    if [ "${THREADS:-0}" = 1 ]; then sleep "${TS:-6}"; python3 "$HERE/threads.py" 15 > "$d/threads.txt"; fi
     wait $B
     echo "run$i $t $(date +%T) $(grep -E '^(Output token|Total token|Median TTFT|Median TPOT|P99 ITL)' "$d/w.log" \
       | awk -F: '{gsub(/ /,"",$2); printf "%s=%s ", substr($1,1,12), $2}')" )
 done
-ray stop --force >/dev/null 2>&1
+/work/main/.venv/bin/ray stop --force >/dev/null 2>&1
