@@ -136,7 +136,8 @@ class RotaryTable:
     """The rotary module's cos/sin, widened to float32 (what ``decode_step.c`` reads), for
     positions 0..n-1, made by the module itself and grown as longer positions come: a
     decode step gathers its rows instead of calling the module and widening what it returns
-    (0.1 ms a step, several times its time alone while the step's weights hold the caches).
+    (alone 8-9 against 22-25 us; the module's call took 0.08-0.12 ms inside a step, whose
+    weights leave the caches cold: BENCHMARKS.md §1).
     The module computes each position's values on their own, so a row is the module's
     answer for that position bit for bit; rope types whose module rescales by the sequence
     length (``dynamic``, ``longrope``) get no table (:meth:`for_module`)."""
