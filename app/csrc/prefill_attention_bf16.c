@@ -11,11 +11,13 @@
  * and per block of up to 12 query positions, the block's queries as bf16 pairs. Per step of
  * 64 keys (four panels): scores [6 rows][64] in 24 registers (per pair of dimensions one
  * load per panel and one broadcast per row), each row's online-softmax step over its 64
- * keys (one rescale of its output per step; masked lanes exactly zero), the probabilities
- * rounded to bf16 pairs, then out [6 rows][64 dims] += p @ V in 24 registers (per pair of
- * keys four loads of V shared by the six rows). Pairs of keys no row of the tile sees are
- * skipped; a key a row does not see has p exactly 0, and the positions no row sees (a
- * padded past's padding, past t) are packed as zeros, so what fills them is never read.
+ * keys (one rescale of its output per step, its running max raised only where a score
+ * passes it, its sums kept lane by lane until the block's end; masked lanes exactly zero),
+ * the probabilities rounded to bf16 pairs, then out [6 rows][64 dims] += p @ V in 24
+ * registers (per pair of keys four loads of V shared by the six rows). Pairs of keys no row
+ * of the tile sees are skipped; a key a row does not see has p exactly 0, and the positions
+ * no row sees (a padded past's padding, past t) are packed as zeros, so what fills them is
+ * never read.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -206,49 +208,77 @@ static BF_TARGET void pv_tile(int mr, const uint32_t *pw, const float *alpha, ui
     else pv_step(mr, pw, alpha, pairs, vp, d, acc);
 }
 
+/* 2^x for the probabilities, which enter the products rounded to bf16 (8 significant
+   bits, a relative error up to 2^-9): exp2_16's reduction with a degree-3 polynomial
+   (relative error 7.5e-5, a 26th of that rounding; the sums share it) instead of degree 5.
+   The rows' rescales keep exp2_16: out is acc / sum, and both take the same factor. */
+static inline __attribute__((always_inline)) BF_TARGET __m512 exp2_16_bf(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 y = _mm512_set1_ps(5.5171609e-2f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4261111e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9326097e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.9992806e-1f));
+    return _mm512_scalef_ps(y, n);
+}
+
 /* One row's softmax step over its SK scores (lanes in `m` seen), in base 2: the scores times
    c2 (the scale times log2(e)), the row's running max `top` (in those units) raised to the
-   step's, the probabilities 2^(x - top) as bf16 pairs into pw and their float32 sum into
-   *sum. The rescale of the row's earlier sums waits for rescale_rows, all rows at once. */
-static inline BF_TARGET void softmax_step(const float *sr, uint64_t m, float c2, float *top,
-                                          float *sum, uint32_t *pw) {
-    if (m == 0) {
-        *sum = 0.0f;
-        memset(pw, 0, SK * sizeof(uint16_t));
-        return;
+   step's, the probabilities 2^(x - top) as bf16 pairs into pw and their float32 sums, lane
+   by lane, into *sum. A step whose scores stay under the row's max (most steps of a long
+   prompt, once its first keys are seen) reads no lane across: one compare instead of a
+   reduction; the rescale of the row's earlier sums waits for rescale_rows, all rows at
+   once, and the sums' own reduction for the block's end. A step every key of which the
+   row sees (`m` all ones) masks nothing. */
+static inline __attribute__((always_inline)) BF_TARGET void softmax_row(
+    const float *sr, uint64_t m, int full, float c2, float *top, __m512 *sum, uint32_t *pw) {
+    const __m512 vc = _mm512_set1_ps(c2);
+    __m512 x[PS], mx = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c < PS; c++) { /* the raw scores: c2 > 0 keeps their order */
+        x[c] = _mm512_load_ps(sr + 16 * c);
+        mx = full ? _mm512_max_ps(mx, x[c])
+                  : _mm512_mask_max_ps(mx, (__mmask16)(m >> (16 * c)), mx, x[c]);
     }
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), vc = _mm512_set1_ps(c2);
-    __m512 x[PS], mx = ninf;
-    for (int c = 0; c < PS; c++) {
-        __mmask16 mk = (__mmask16)(m >> (16 * c));
-        x[c] = _mm512_mask_mul_ps(ninf, mk, _mm512_load_ps(sr + 16 * c), vc);
-        mx = _mm512_max_ps(mx, x[c]);
+    mx = _mm512_mul_ps(mx, vc);
+    __m512 nt = _mm512_set1_ps(*top);
+    if (_mm512_cmp_ps_mask(mx, nt, _CMP_GT_OQ)) {
+        *top = _mm512_reduce_max_ps(mx);
+        nt = _mm512_set1_ps(*top);
     }
-    float blk = _mm512_reduce_max_ps(mx);
-    if (blk > *top) *top = blk;
-    __m512 nt = _mm512_set1_ps(*top), total = _mm512_setzero_ps(), e[PS];
-    for (int c = 0; c < PS; c++) { /* unseen lanes: 2^(-inf - top) is NaN, masked to 0 */
-        e[c] = _mm512_maskz_mov_ps((__mmask16)(m >> (16 * c)),
-                                   exp2_16(_mm512_sub_ps(x[c], nt)));
+    __m512 total = _mm512_setzero_ps(), e[PS];
+    for (int c = 0; c < PS; c++) { /* unseen lanes (finite: their keys are zeros) to 0 */
+        e[c] = exp2_16_bf(_mm512_fmsub_ps(x[c], vc, nt));
+        if (!full) e[c] = _mm512_maskz_mov_ps((__mmask16)(m >> (16 * c)), e[c]);
         total = _mm512_add_ps(total, e[c]);
     }
-    *sum = _mm512_reduce_add_ps(total);
+    *sum = total;
     for (int c = 0; c < PS; c += 2) /* 32 probabilities -> 16 pairs (keys in order) */
         _mm512_storeu_si512(pw + 8 * c, (__m512i)_mm512_cvtne2ps_pbh(e[c + 1], e[c]));
 }
+static inline BF_TARGET void softmax_step(const float *sr, uint64_t m, float c2, float *top,
+                                          __m512 *sum, uint32_t *pw) {
+    if (m == 0) {
+        *sum = _mm512_setzero_ps();
+        memset(pw, 0, SK * sizeof(uint16_t));
+    } else if (m == ~0ull) {
+        softmax_row(sr, m, 1, c2, top, sum, pw);
+    } else {
+        softmax_row(sr, m, 0, c2, top, sum, pw);
+    }
+}
 
-/* After a step's softmax_step for rows 0..mr-1 (one lane each): alpha = 2^(old top - new
-   top), the factor of each row's earlier sums (0 while the row had seen nothing: its sums
-   are zeros), and total = total * alpha + the step's sum. */
+/* After a step's softmax_step for rows 0..mr-1: alpha = 2^(old top - new top), the factor
+   of each row's earlier sums (0 while the row had seen nothing: its sums are zeros), and
+   each row's sums (a vector of lanes) = sums * alpha + the step's. */
 static inline BF_TARGET void rescale_rows(int mr, const float *old, const float *top,
-                                          const float *sum, float *total, float *alpha) {
+                                          const __m512 *sum, __m512 *total, float *alpha) {
     __mmask16 k = (__mmask16)((1u << mr) - 1);
     __m512 o = _mm512_maskz_loadu_ps(k, old);
     __mmask16 seen = _mm512_mask_cmp_ps_mask(k, o, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
     __m512 a = _mm512_maskz_mov_ps(seen, exp2_16(_mm512_sub_ps(o, _mm512_maskz_loadu_ps(k, top))));
     _mm512_mask_storeu_ps(alpha, k, a);
-    _mm512_mask_storeu_ps(total, k, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, total), a,
-                                                    _mm512_maskz_loadu_ps(k, sum)));
+    for (int r = 0; r < mr; r++)
+        total[r] = _mm512_fmadd_ps(total[r], _mm512_set1_ps(alpha[r]), sum[r]);
 }
 
 static BF_TARGET void attend_block_bf16(int mr, long i0, const float *q, long qs,
@@ -259,12 +289,13 @@ static BF_TARGET void attend_block_bf16(int mr, long i0, const float *q, long qs
     float acc[QB * DMAX] __attribute__((aligned(64)));
     uint32_t qb[QB * DMAX / 2] __attribute__((aligned(64)));
     uint32_t pw[QB * SK / 2] __attribute__((aligned(64)));
-    float top[QB], old[QB], sum[QB], total[QB], alpha[QB];
+    float top[QB], old[QB], alpha[QB];
+    __m512 sum[QB], total[QB];
     const float c2 = scale * 1.44269504088896341f; /* scores to base 2 */
     long dw = d / 2;
     for (int r = 0; r < mr; r++) {
         top[r] = -INFINITY;
-        total[r] = 0.0f;
+        total[r] = _mm512_setzero_ps();
         memset(acc + r * DMAX, 0, d * sizeof(float));
         uint16_t *qr = (uint16_t *)(qb + r * dw);
         for (long c = 0; c < d; c += 16)
@@ -309,7 +340,8 @@ static BF_TARGET void attend_block_bf16(int mr, long i0, const float *q, long qs
         }
     }
     for (int r = 0; r < mr; r++) {
-        __m512 inv = _mm512_set1_ps(total[r] > 0.0f ? 1.0f / total[r] : 0.0f);
+        float all = _mm512_reduce_add_ps(total[r]);
+        __m512 inv = _mm512_set1_ps(all > 0.0f ? 1.0f / all : 0.0f);
         for (long c = 0; c < d; c += 16)
             _mm512_storeu_ps(out + r * os + c,
                              _mm512_mul_ps(_mm512_load_ps(acc + r * DMAX + c), inv));

@@ -56,6 +56,24 @@ def test_bf16_products_give_sdpa_over_the_rounded_inputs(threads, head_dim, head
 
 
 @needs_bf16
+@pytest.mark.parametrize("ramp", [(0.2, 4.0), (4.0, 0.2)])
+@torch.inference_mode()
+def test_scores_that_grow_or_fall_across_steps(ramp):
+    """Keys whose size grows along the prompt raise a row's max at nearly every 64-key step
+    (its earlier sums rescaled each time); keys that shrink leave it where the first step
+    put it (the steps that compare and keep it). Both are SDPA's answer."""
+    torch.manual_seed(3)
+    seq, heads, kv_heads, hd = 300, 4, 2, 64
+    q = torch.randn(1, heads, seq, hd)
+    size = torch.linspace(*ramp, seq).view(1, 1, seq, 1)
+    k, v = torch.randn(1, kv_heads, seq, hd) * size, torch.randn(1, kv_heads, seq, hd)
+    out = _kernel_prefill_attention(q, k, v, torch.tensor([0]), 0, None, bf16=True)
+    reference = _reference(*_bf16(q, k, v), [0], 0, hd ** -0.5)
+    rel = (out - reference).norm() / reference.norm()
+    assert rel < 4e-3, rel
+
+
+@needs_bf16
 @torch.inference_mode()
 def test_the_padded_past_is_never_read_with_bf16_products():
     torch.manual_seed(1)
