@@ -190,7 +190,11 @@ static void dp_rows(int mr, int np, long kp, const uint16_t *pan, const uint32_t
    on one core as bound by the arithmetic as by the memory) takes its rows in one tile where
    it can (up to 6 rows x 4 panels, 8 x 3 from 7 rows on: the weights stream once, and the
    first block of rows through a group fetches the next group's panels meanwhile, so that
-   memory and arithmetic overlap; batch 8's step 0.86x of 6 + 2 rows through 4 panels). */
+   memory and arithmetic overlap; batch 8's step 0.86x of 6 + 2 rows through 4 panels).
+   A prefill-sized product's first block of rows fetches each tile's next panels (the
+   group's next, or the next group's first) while its second tile of rows reads these
+   from cache: a prefill layer's 64-row block on one thread 0.96x the time, 256 rows 0.99x
+   (docs/benchmarks/results/2026-12-06-attention-softmax/dp_ab.py). */
 /* Panels side by side in a product's tiles: 4 for up to 6 rows, else 3 (8 rows a tile). */
 static int dp_width(long m) { return m <= 6 ? 4 : 3; }
 
@@ -210,8 +214,10 @@ static void dp_run(const uint32_t *xb, long m, long kp, const uint16_t *p, long 
                 int rows = width == 4 ? 6 : (width == 3 ? 8 : 12);
                 for (long m0 = mb; m0 < me; m0 += rows) {
                     int mr = (int)(me - m0 < rows ? me - m0 : rows);
+                    int ahead = m <= MB ? m0 == mb && mr >= 3
+                                        : mb == 0 && m0 == mb + rows && mr >= 3;
                     dp_rows(mr, width, kp, p + q * ps, xb + m0 * kp, y + m0 * n, n, q, bias,
-                            m <= MB && m0 == mb && mr >= 3);
+                            ahead);
                 }
                 q += width;
             }
