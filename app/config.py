@@ -180,6 +180,13 @@ class EngineConfig:
     process's own it needs CAP_SYS_NICE (or RLIMIT_NICE): where the OS refuses, the replica
     logs it and keeps its priority (app.engine_core.set_thread_nice). In a serve config it is
     set per phase (prefill/decode/colocated nice), not under engine."""
+    decode_threads: int | None = None
+    """Threads for a step that carries no prompt chunk (a decode-only step); None: the
+    phase's num_threads. A colocated replica's passes want every core it has, but a lone
+    stream's step over int8 weights is nearly as fast on one thread, and the other core then
+    takes the serving stack's per-token work instead of preempting the step: served W-single
+    TPOT p50, int8 weights, 7.7-8.4 ms on one thread against 9.8-10.6 on two (BENCHMARKS.md
+    §1, "bf16 and int8 weights")."""
     prefill_max_threads: int | None = None
     """A prefill pass may take up to this many threads while the rest of the machine leaves
     cores idle (app.idle_cores; for phases that share one machine's cores); None:
@@ -274,6 +281,8 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.nice is not None and not -20 <= self.nice <= 19:
             raise ValueError(f"nice must be in -20..19, got {self.nice}")
+        if self.decode_threads is not None and self.decode_threads < 1:
+            raise ValueError(f"decode_threads must be >= 1, got {self.decode_threads}")
         if self.prefill_max_threads is not None and self.prefill_max_threads < 1:
             raise ValueError(f"prefill_max_threads must be >= 1, got {self.prefill_max_threads}")
         for name in ("max_batch_size", "max_kv_tokens", "max_waiting", "prefill_token_budget",

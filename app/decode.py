@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from app.idle_cores import on_threads
 from app.kv_cache import DEFAULT_BLOCK_SIZE, BlockAllocator
 from app.kv_package import KVPackage
 from app.messages import FinishReason
@@ -79,8 +80,10 @@ class Decoder:
         max_kv_tokens: int,
         block_size: int = DEFAULT_BLOCK_SIZE,
         grammars: Grammars | None = None,
+        step_threads: int | None = None,
     ) -> None:
         self.runner = runner
+        self.step_threads = step_threads  # a decode-only step's threads (decode_threads)
         self.grammars = grammars  # constrained answers' matchers (app.structured)
         self.eos_token_ids = eos_token_ids
         self.max_batch_size = max_batch_size
@@ -194,7 +197,8 @@ class Decoder:
         tokens_in = [s.last_token for s in batch]
         positions = [s.kv_len for s in batch]
         if prefill is None:
-            logits = self.runner.decode(self.cache, tables, tokens_in, positions)  # [B, V]
+            with on_threads(self.step_threads):
+                logits = self.runner.decode(self.cache, tables, tokens_in, positions)  # [B, V]
         else:
             start = time.perf_counter()
             chunks, past, into = prefill.inputs()

@@ -150,6 +150,7 @@ class EngineCore:
             max_batch_size=self.config.max_batch_size,
             max_kv_tokens=self.config.max_kv_tokens,
             grammars=self.grammars,
+            step_threads=self.config.decode_threads,
         )
         return DecodeLoop(decoder, max_waiting=self.config.max_waiting,
                           fingerprint=self.fingerprint, executor=self.thread)

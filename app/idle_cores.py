@@ -110,14 +110,22 @@ class IdleCores:
 
     @contextmanager
     def pass_threads(self):
-        """Run a pass on :meth:`next_pass` threads (torch's and the engine's kernels' count
-        on the calling thread), then go back to ``base``."""
+        """Run a pass on :meth:`next_pass` threads, then go back to ``base``."""
         threads = self.next_pass()
-        if threads == self.base:
+        with on_threads(threads):
             yield threads
-            return
-        torch.set_num_threads(threads)
-        try:
-            yield threads
-        finally:
-            torch.set_num_threads(self.base)
+
+
+@contextmanager
+def on_threads(threads: int | None):
+    """Run a block on ``threads`` threads (torch's and the engine's kernels' count on the
+    calling thread; None: as they are), then go back to the count before."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -37,6 +37,7 @@ def test_dtype_names_round_trip():
         ({"device": "mps"}, "device must be"),
         ({"dtype": "float16"}, "float16 is not supported on cpu"),
         ({"num_threads": 0}, "num_threads must be >= 1"),
+        ({"decode_threads": 0}, "decode_threads must be >= 1"),
         ({"max_batch_size": 0}, "max_batch_size must be >= 1"),
         ({"max_kv_tokens": 0}, "max_kv_tokens must be >= 1"),
         ({"max_waiting": -1}, "max_waiting must be >= 1"),

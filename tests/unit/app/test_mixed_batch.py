@@ -184,3 +184,40 @@ def test_a_prompt_computed_in_mixed_steps_gets_the_package_it_gets_alone(tiny_mo
     assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
     torch.testing.assert_close(mixed.kv_tensor(), alone.kv_tensor(), rtol=1e-5, atol=1e-5)
     assert seq.output_token_ids == hf_greedy(tiny_model, prompt, len(seq.output_token_ids))
+
+
+def test_decode_threads_take_decode_only_steps_and_leave_mixed_ones(tiny_model):
+    """``decode_threads``: a step that carries no prompt chunk runs on that many threads, a
+    step carrying chunks on the engine's own, and the thread count is back after each."""
+    core = _core(tiny_model, prefill_chunk_tokens=16, prefix_cache_mb=0, num_threads=2,
+                 decode_threads=1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        decoder = core.make_decode_loop(frozenset()).decoder
+        seen = []
+        runner = decoder.runner
+        decode, mixed = runner.decode, runner.forward_mixed
+
+        def record(fn, kind):
+            def call(*args, **kwargs):
+                seen.append((kind, torch.get_num_threads()))
+                return fn(*args, **kwargs)
+            return call
+        runner.decode = record(decode, "decode")
+        runner.forward_mixed = record(mixed, "mixed")
+        prefiller = core.make_prefiller()
+        prompt = _ids(20, seed=5)
+        [pkg] = prefiller.make_packages([PrefillRequest("s", tuple(prompt), GREEDY)])
+        seq = Sequence("s", pkg.prompt_ids, pkg.sampling)
+        seq.append(pkg.first_token, eos_token_ids=frozenset(), max_model_len=512)
+        decoder.add(seq, pkg)
+        decoder.step()
+        job = prefiller.new_job(PrefillRequest("doc", tuple(_ids(20, seed=6)), GREEDY))
+        decoder.step(prefiller.plan_chunks([job], decode_rows=1))
+        decoder.step()
+        assert seen == [("decode", 1), ("mixed", 2), ("decode", 1)]
+        assert torch.get_num_threads() == 2
+        assert seq.output_token_ids == hf_greedy(tiny_model, prompt, len(seq.output_token_ids))
+    finally:
+        torch.set_num_threads(before)
