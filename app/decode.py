@@ -185,7 +185,12 @@ class Decoder:
 
         ``prefill``: prompt chunks that share this step's pass (mixed batching,
         ``ModelRunner.forward_mixed``); the plan is completed (its rows advance, its finished
-        prompts get their packages) before this returns."""
+        prompts get their packages) before this returns. A step without them runs on
+        ``step_threads`` (sampling included: its torch operations would wake the rest)."""
+        with on_threads(self.step_threads if prefill is None else None):
+            return self._step(prefill)
+
+    def _step(self, prefill: ChunkPlan | None) -> list[Sequence]:
         self._admit()
         rejected, self._rejected = self._rejected, []
         if not self.running and prefill is None:
@@ -197,8 +202,7 @@ class Decoder:
         tokens_in = [s.last_token for s in batch]
         positions = [s.kv_len for s in batch]
         if prefill is None:
-            with on_threads(self.step_threads):
-                logits = self.runner.decode(self.cache, tables, tokens_in, positions)  # [B, V]
+            logits = self.runner.decode(self.cache, tables, tokens_in, positions)  # [B, V]
         else:
             start = time.perf_counter()
             chunks, past, into = prefill.inputs()

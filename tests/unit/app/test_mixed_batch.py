@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from app import decode as decode_module
 from app import model_runner
 from app.config import EngineConfig
 from app.decode import Decoder
@@ -186,9 +187,10 @@ def test_a_prompt_computed_in_mixed_steps_gets_the_package_it_gets_alone(tiny_mo
     assert seq.output_token_ids == hf_greedy(tiny_model, prompt, len(seq.output_token_ids))
 
 
-def test_decode_threads_take_decode_only_steps_and_leave_mixed_ones(tiny_model):
-    """``decode_threads``: a step that carries no prompt chunk runs on that many threads, a
-    step carrying chunks on the engine's own, and the thread count is back after each."""
+def test_decode_threads_take_decode_only_steps_and_leave_mixed_ones(tiny_model, monkeypatch):
+    """``decode_threads``: a step that carries no prompt chunk runs on that many threads (its
+    sampling too), a step carrying chunks on the engine's own, and the count is back after
+    each."""
     core = _core(tiny_model, prefill_chunk_tokens=16, prefix_cache_mb=0, num_threads=2,
                  decode_threads=1)
     before = torch.get_num_threads()
@@ -206,6 +208,8 @@ def test_decode_threads_take_decode_only_steps_and_leave_mixed_ones(tiny_model):
             return call
         runner.decode = record(decode, "decode")
         runner.forward_mixed = record(mixed, "mixed")
+        monkeypatch.setattr(decode_module, "sample_tokens",
+                            record(decode_module.sample_tokens, "sample"))
         prefiller = core.make_prefiller()
         prompt = _ids(20, seed=5)
         [pkg] = prefiller.make_packages([PrefillRequest("s", tuple(prompt), GREEDY)])
@@ -216,7 +220,8 @@ def test_decode_threads_take_decode_only_steps_and_leave_mixed_ones(tiny_model):
         job = prefiller.new_job(PrefillRequest("doc", tuple(_ids(20, seed=6)), GREEDY))
         decoder.step(prefiller.plan_chunks([job], decode_rows=1))
         decoder.step()
-        assert seen == [("decode", 1), ("mixed", 2), ("decode", 1)]
+        assert seen == [("decode", 1), ("sample", 1), ("mixed", 2), ("sample", 2),
+                        ("decode", 1), ("sample", 1)]
         assert torch.get_num_threads() == 2
         assert seq.output_token_ids == hf_greedy(tiny_model, prompt, len(seq.output_token_ids))
     finally:
