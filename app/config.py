@@ -185,8 +185,9 @@ class EngineConfig:
     phase's num_threads. A colocated replica's passes want every core it has, but a lone
     stream's step over int8 weights is nearly as fast on one thread, and the other core then
     takes the serving stack's per-token work instead of preempting the step: served W-single
-    TPOT p50, int8 weights, 7.7-8.4 ms on one thread against 9.8-10.6 on two (BENCHMARKS.md
-    §1, "bf16 and int8 weights")."""
+    TPOT p50, int8 weights, 8.0-8.8 ms with 1 (and GOMP_SPINCOUNT=10000, so the idle OpenMP
+    worker sleeps) against 9.8-10.6 on two threads (BENCHMARKS.md §1, "bf16 and int8
+    weights"; docs/operations.md)."""
     prefill_max_threads: int | None = None
     """A prefill pass may take up to this many threads while the rest of the machine leaves
     cores idle (app.idle_cores; for phases that share one machine's cores); None:
