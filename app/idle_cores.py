@@ -120,8 +120,11 @@ class IdleCores:
 def on_threads(threads: int | None):
     """Run a block on ``threads`` threads (torch's and the engine's kernels' count on the
     calling thread; None: as they are), then go back to the count before."""
+    if threads is None:  # a mixed step's, each step of a replica without decode_threads
+        yield
+        return
     before = torch.get_num_threads()
-    if threads is None or threads == before:
+    if threads == before:
         yield
         return
     torch.set_num_threads(threads)

@@ -208,24 +208,11 @@ static BF_TARGET void pv_tile(int mr, const uint32_t *pw, const float *alpha, ui
     else pv_step(mr, pw, alpha, pairs, vp, d, acc);
 }
 
-/* 2^x for the probabilities, which enter the products rounded to bf16 (8 significant
-   bits, a relative error up to 2^-9): exp2_16's reduction with a degree-3 polynomial
-   (relative error 7.5e-5, a 26th of that rounding; the sums share it) instead of degree 5.
-   The rows' rescales keep exp2_16: out is acc / sum, and both take the same factor. */
-static inline __attribute__((always_inline)) BF_TARGET __m512 exp2_16_bf(__m512 x) {
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 y = _mm512_set1_ps(5.5171609e-2f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4261111e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9326097e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.9992806e-1f));
-    return _mm512_scalef_ps(y, n);
-}
-
 /* One row's softmax step over its SK scores (lanes in `m` seen), in base 2: the scores times
    c2 (the scale times log2(e)), the row's running max `top` (in those units) raised to the
-   step's, the probabilities 2^(x - top) as bf16 pairs into pw and their float32 sums, lane
-   by lane, into *sum. A step whose scores stay under the row's max (most steps of a long
+   step's, the probabilities 2^(x - top) as bf16 pairs into pw (exp2_16_d3: its error a 26th
+   of bf16's rounding; the rows' rescales keep exp2_16, and out is acc / sum, both taking
+   the same factor) and their float32 sums, lane by lane, into *sum. A step whose scores stay under the row's max (most steps of a long
    prompt, once its first keys are seen) reads no lane across: one compare instead of a
    reduction; the rescale of the row's earlier sums waits for rescale_rows, all rows at
    once, and the sums' own reduction for the block's end. A step every key of which the
@@ -247,7 +234,7 @@ static inline __attribute__((always_inline)) BF_TARGET void softmax_row(
     }
     __m512 total = _mm512_setzero_ps(), e[PS];
     for (int c = 0; c < PS; c++) { /* unseen lanes (finite: their keys are zeros) to 0 */
-        e[c] = exp2_16_bf(_mm512_fmsub_ps(x[c], vc, nt));
+        e[c] = exp2_16_d3(_mm512_fmsub_ps(x[c], vc, nt));
         if (!full) e[c] = _mm512_maskz_mov_ps((__mmask16)(m >> (16 * c)), e[c]);
         total = _mm512_add_ps(total, e[c]);
     }

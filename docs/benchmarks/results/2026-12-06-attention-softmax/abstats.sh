@@ -2,7 +2,9 @@
 # Served W-long, two trees alternated, with the replica's pass totals: abstats.sh OUT "new old ..."
 #   new: /work/main; old: $OLD (a worktree sharing main's .venv); mid: $MID. The colocated app
 #   (CFG), the peer's bench client (IL OL N C SEED: W-long), the replica's stats() read before
-#   and after the timed run (stats-before.json, stats-after.json).
+#   and after the timed run (stats-before.json, stats-after.json). PERF=1: also `perf record -a`
+#   over 10 s of the timed run from 4 s in (perf.data) and the kernel library each process
+#   mapped (libs.txt).
 set -u
 O=$1; mkdir -p "$O"
 i=0
@@ -18,7 +20,14 @@ for t in $2; do
     stats() { $PY -c "import json, ray; from ray import serve; ray.init(address='auto', logging_level='ERROR')
 print(json.dumps(serve.get_deployment_handle('ColocatedServer', 'colocated').stats.remote().result()))" 2>/dev/null; }
     stats > "$d/stats-before.json"
-    SEED=${SEED:-2} RESULT_DIR=$d bench w 8000 "${IL:-1024}" "${OL:-16}" "${N:-16}" "${C:-4}" inf --ignore-eos > "$d/w.log" 2>&1
+    SEED=${SEED:-2} RESULT_DIR=$d bench w 8000 "${IL:-1024}" "${OL:-16}" "${N:-16}" "${C:-4}" inf --ignore-eos > "$d/w.log" 2>&1 &
+    B=$!
+    if [ "${PERF:-0}" = 1 ]; then
+      sleep 4; perf record -a -F 499 -o "$d/perf.data" -- sleep 10 > /dev/null 2>&1
+      grep -l splitserve-cpu /proc/[0-9]*/maps 2>/dev/null | while read -r m; do
+        grep -o "splitserve-cpu-[0-9a-f]*" "$m" | head -1; done | sort | uniq -c > "$d/libs.txt"
+    fi
+    wait $B
     stats > "$d/stats-after.json"
     echo "run$i $t $(date +%T) $(grep -E '^(Total token|Median TTFT|Median TPOT|Benchmark duration)' "$d/w.log" \
       | awk -F: '{gsub(/ /,"",$2); printf "%s=%s ", substr($1,1,12), $2}') $(python3 -c "
