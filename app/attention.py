@@ -18,7 +18,7 @@ uninitialized memory).
 On the CPU with a float32 pool (``inplace``, the default there:
 ``engine.kernels.attention``) neither copy is made: the engine's kernel
 (``app/csrc/paged_attention.c``) reads each row's keys and values where they lie, given the
-slots of every row in turn and each row's offset into them.
+slots of every row in turn and each row's offset into them (``app.decode_attention``).
 
 Grouped-query attention needs no repeated KV: the query heads that share a KV head become
 that head's query positions (``[rows, kv_heads, group, head_dim]``).
@@ -26,6 +26,10 @@ that head's query positions (``[rows, kv_heads, group, head_dim]``).
 A mixed pass (:class:`MixedStep`, the colocated engine's mixed batching) is one sequence of
 tokens: the decode rows' tokens attend as above, then each prompt chunk attends its own
 earlier positions and itself as a prefill pass attends it (``app.prefill_attention``).
+Where the kernels serve the pass, its rows' keys and values go into the pool and into each
+prompt's KV so far in one kernel call a layer each (``app.kv_cache.store_rows``), and every
+group writes its output into one buffer the pass's layers share (``MixedStep.out``): torch's
+indexed copies, the concatenation and their page faults cost about 0.6 ms a layer.
 
 Registered with transformers as the attention implementation ``splitserve_paged``: any pass
 without a :class:`PagedDecodeStep` or :class:`MixedStep` (prefill, ``generate()``) runs the
@@ -38,13 +42,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from app.cpu_kernels import assert_kernel_tensors, check, kernel_unavailable, load_kernel
-from app.kv_cache import PagedKVCache
+from app.decode_attention import decode_attention, inplace_decode_attention
+from app.kv_cache import PagedKVCache, store_rows
 from app.kv_package import KVLayout
 from app.prefill_attention import PrefillSpan, _kernel_prefill_attention, _kernel_serves
 
@@ -154,13 +157,19 @@ class MixedStep:
     prefill_kernel: bool = False
     kernel_starts: list[torch.Tensor] | None = None
     prefill_bf16: bool = False
+    # rows' keys/values written by the engine's kernel (store_rows) where it takes them
+    kv_kernel: bool = False
+    # the attention's output [1, T, heads, hd], made by the first layer, reused by the next
+    # (each layer's is read by its output product before the next layer's attention)
+    out: torch.Tensor | None = None
 
     @classmethod
     def build(cls, cache: PagedKVCache, tables: list[list[int]], positions: list[int],
               chunk_lens: list[int], past_lens: list[int],
               prefill_kernel: bool = False, prefill_bf16: bool = False,
               inplace: bool = False) -> MixedStep:
-        """``inplace``: the decode rows read the pool in place (``PagedDecodeStep.build``)."""
+        """``inplace``: the decode rows read the pool in place (``PagedDecodeStep.build``),
+        and keys and values are written by the engine's kernel (which that implies)."""
         masks: list[torch.Tensor | None] = []
         for n, p in zip(chunk_lens, past_lens, strict=True):
             if p == 0:
@@ -177,7 +186,7 @@ class MixedStep:
             prefill_kernel=prefill_kernel,
             kernel_starts=([torch.tensor([p]) for p in past_lens] if prefill_kernel
                            else None),
-            prefill_bf16=prefill_bf16)
+            prefill_bf16=prefill_bf16, kv_kernel=inplace)
 
 
 class MixedCacheView:
@@ -210,8 +219,10 @@ class MixedCacheView:
             assert step.decode is not None
             layer = self.layers[layer_idx]  # [2, slots, kv_heads, head_dim]
             write = step.decode.write_slots[layer.device]
-            layer[0, write] = key_states[0, :, :rows].transpose(0, 1).to(layer.dtype)
-            layer[1, write] = value_states[0, :, :rows].transpose(0, 1).to(layer.dtype)
+            k, v = key_states[0, :, :rows], value_states[0, :, :rows]
+            if not (step.kv_kernel and store_rows(k, v, layer[0], layer[1], write)):
+                layer[0, write] = k.transpose(0, 1).to(layer.dtype)
+                layer[1, write] = v.transpose(0, 1).to(layer.dtype)
             if step.decode.inplace:  # the whole pool: the kernel reads each row's slots
                 decode_kv = (layer[0], layer[1])
             else:
@@ -227,8 +238,10 @@ class MixedCacheView:
             past, into = self.past[i], self.into[i]
             if into is not None:
                 p, dst = step.past_lens[i], into[layer_idx]  # [2, kv_heads, N, head_dim]
-                dst[0, :, p : p + n] = k[0]
-                dst[1, :, p : p + n] = v[0]
+                if not (step.kv_kernel and store_rows(k[0], v[0], dst[0, :, p:].transpose(0, 1),
+                                                      dst[1, :, p:].transpose(0, 1))):
+                    dst[0, :, p : p + n] = k[0]
+                    dst[1, :, p : p + n] = v[0]
                 k, v = dst[0, :, : p + n][None], dst[1, :, : p + n][None]
             elif past is not None:
                 past_k, past_v = past[layer_idx]
@@ -260,23 +273,6 @@ class MixedCacheView:
         return kvs
 
 
-def inplace_attention_unavailable(cache_dtype: torch.dtype, devices, head_dim: int,
-                                  cache_dir=None,
-                                  compute_dtype: torch.dtype = torch.float32) -> str | None:
-    """Why decode attention cannot read the pool in place (the engine's CPU kernel,
-    ``app/csrc/paged_attention.c``: float32 queries and sums over a float32 or bf16 pool),
-    or None when it can."""
-    if any(torch.device(d).type != "cpu" for d in devices):
-        return "the KV pool is not on the CPU"
-    if compute_dtype != torch.float32:
-        return f"the model computes in {compute_dtype}, the kernel in float32"
-    if cache_dtype not in (torch.float32, torch.bfloat16):
-        return "the KV pool is neither float32 nor bfloat16"
-    if head_dim % 8:
-        return f"head_dim {head_dim} is not a multiple of 8"
-    return kernel_unavailable(cache_dir)
-
-
 def serving_sdpa_backends(devices) -> str | None:
     """On a CUDA device, turn torch's cuDNN attention off for this process; returns why (or
     None where nothing changed). cuDNN builds an execution plan for each new shape, and a
@@ -290,54 +286,6 @@ def serving_sdpa_backends(devices) -> str | None:
     return "cuDNN attention off: it plans each new shape, and served shapes change every step"
 
 
-def _inplace_attention(query, keys, values, step: PagedDecodeStep, scaling):
-    bsz, heads, _, head_dim = query.shape
-    kv_heads = keys.shape[1]
-    read, offsets = step.read_slots[keys.device], step.offsets
-    assert keys.dtype in (torch.float32, torch.bfloat16), keys.dtype
-    assert_kernel_tensors(keys=(keys, keys.dtype), values=(values, keys.dtype),
-                          read=(read, torch.long), offsets=(offsets, torch.long))
-    assert keys.shape == values.shape and keys.shape[2] == head_dim
-    assert offsets.numel() == bsz + 1, "offsets: one more than the rows"
-    q = query.reshape(bsz, heads, head_dim).to(torch.float32).contiguous()
-    out = torch.empty((bsz, heads, head_dim), dtype=torch.float32)
-    rc = load_kernel().paged_decode_attention(
-        q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[0], kv_heads, head_dim,
-        heads // kv_heads, read.data_ptr(), read.numel(), offsets.data_ptr(), bsz,
-        head_dim ** -0.5 if scaling is None else float(scaling), out.data_ptr(),
-        torch.get_num_threads(), keys.dtype == torch.bfloat16)
-    check(rc, "paged_decode_attention")
-    return out.view(bsz, 1, heads, head_dim).to(query.dtype)
-
-
-def _decode_attention(query, key, value, step: PagedDecodeStep, scaling):
-    """Decode rows over their gathered keys/values (or, ``step.inplace``, the whole pool
-    read in place): ``query`` [B, heads, 1, hd] -> the attention output [B, 1, heads, hd]."""
-    bsz, heads, q_len, head_dim = query.shape
-    assert q_len == 1 and bsz == step.rows, "paged attention is for decode steps"
-    if step.inplace:
-        return _inplace_attention(query, key, value, step, scaling)
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    mask = step.mask[query.device]
-    if step.exact:
-        # key, value: [T, kv_heads, hd]; every row's queries over all T positions, a row's
-        # mask row keeping only its own
-        q = query.reshape(bsz, kv_heads, group, head_dim).transpose(0, 1)
-        q = q.reshape(1, kv_heads, bsz * group, head_dim)
-        out = F.scaled_dot_product_attention(
-            q, key.transpose(0, 1)[None], value.transpose(0, 1)[None],
-            attn_mask=mask.repeat_interleave(group, 0), scale=scaling)  # [1, kvh, B*g, hd]
-        out = out.reshape(kv_heads, bsz, group, head_dim).transpose(0, 1)
-        return out.reshape(bsz, 1, heads, head_dim)  # [B, 1, heads, hd]
-    # key, value: [B * longest, kv_heads, hd]
-    k = key.view(bsz, -1, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, longest, hd]
-    v = value.view(bsz, -1, kv_heads, head_dim).transpose(1, 2)
-    q = query.reshape(bsz, kv_heads, group, head_dim)  # [B, kv_heads, group, hd]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    return out.reshape(bsz, 1, heads, head_dim)  # [B, 1, heads, hd]
-
-
 def _mixed_attention(module, query, step: MixedStep, scaling, dropout, kwargs):
     """A mixed pass's attention, ``query`` [1, heads, T, hd]: the decode rows (the first
     ``step.rows`` tokens) over the paged pool, then each prompt chunk causally over its own
@@ -346,29 +294,33 @@ def _mixed_attention(module, query, step: MixedStep, scaling, dropout, kwargs):
     decode_kv, chunk_kv = step.current
     step.current = None
     _, heads, _, head_dim = query.shape
-    rows = step.rows
-    outs = []
+    rows, total = step.rows, query.shape[2]
+    out = step.out  # [1, T, heads, hd]: each group's rows written in place where it can be
+    if out is None or out.shape != (1, total, heads, head_dim) or out.dtype != query.dtype:
+        out = step.out = query.new_empty((1, total, heads, head_dim))
     if rows:
         q = query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, hd]
-        out = _decode_attention(q, decode_kv[0], decode_kv[1], step.decode, scaling)
-        outs.append(out.reshape(1, rows, heads, head_dim))
+        if step.decode.inplace and query.dtype == torch.float32:
+            inplace_decode_attention(q, decode_kv[0], decode_kv[1], step.decode, scaling,
+                                     out[0, :rows])
+        else:
+            out[0, :rows] = decode_attention(q, decode_kv[0], decode_kv[1], step.decode,
+                                              scaling).reshape(rows, heads, head_dim)
     start = rows
     for i, ((k, v), n) in enumerate(zip(chunk_kv, step.chunk_lens, strict=True)):
         q = query[:, :, start : start + n]
         if step.prefill_kernel and _kernel_serves(q, k, kwargs):
-            outs.append(_kernel_prefill_attention(q, k, v, step.kernel_starts[i],
-                                                  step.past_lens[i], scaling,
-                                                  step.prefill_bf16))
+            _kernel_prefill_attention(q, k, v, step.kernel_starts[i], step.past_lens[i],
+                                      scaling, step.prefill_bf16, out[:, start : start + n])
             start += n
             continue
         mask = step.masks[i]
         if mask is not None and mask.device != query.device:
             mask = step.masks[i] = mask.to(query.device)  # moved once per device change
-        out, _ = sdpa_attention_forward(module, q, k, v, mask,
-                                        scaling=scaling, dropout=dropout, **kwargs)
-        outs.append(out)  # [1, n, heads, hd]
+        out[:, start : start + n], _ = sdpa_attention_forward(
+            module, q, k, v, mask, scaling=scaling, dropout=dropout, **kwargs)  # [1, n, h, hd]
         start += n
-    return torch.cat(outs, dim=1), None  # [1, T, heads, hd]
+    return out, None  # [1, T, heads, hd]
 
 
 def paged_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
@@ -386,7 +338,7 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling=None, 
     if paged_step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
-    return _decode_attention(query, key, value, paged_step, scaling), None
+    return decode_attention(query, key, value, paged_step, scaling), None
 
 
 AttentionInterface.register(PAGED_ATTENTION, paged_attention)

@@ -13,11 +13,14 @@ pool is one tensor per span, on that span's device, so KV never crosses devices.
 from __future__ import annotations
 
 import heapq
+import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from app.cpu_kernels import assert_kernel_tensors, check, load_kernel
 from app.kv_package import KVLayout
 
 # Tokens per block. Small blocks waste little memory at a sequence's end (half a block on
@@ -177,3 +180,73 @@ def contiguous_tables(rows: int, tokens: int, block_size: int) -> list[list[int]
     another (benchmarks that fill a pool directly)."""
     per_row = -(-tokens // block_size)
     return [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
+
+
+def store_rows(keys: torch.Tensor, values: torch.Tensor, dst_keys: torch.Tensor,
+               dst_values: torch.Tensor, slots: torch.Tensor | None = None) -> bool:
+    """A pass's rows' keys and values ``[kv_heads, n, head_dim]`` (float32, on the CPU, each
+    row's head_dim contiguous) into ``dst_keys``/``dst_values`` ``[nslots, kv_heads,
+    head_dim]`` (views of a pool layer, or of a prompt's KV from its next position, float32
+    or bf16 on the CPU): row ``i`` into slot ``slots[i]`` (int64) or ``i``, as
+    ``dst[slots] = rows.transpose(0, 1).to(dst.dtype)`` writes it, in one call of the
+    engine's kernel (``kv_store_rows``; the caller knows the kernel is there) instead of a
+    few torch copies. False, with nothing written, for tensors the kernel does not take
+    (the caller copies them with torch)."""
+    if not (keys.dtype == values.dtype == torch.float32
+            and dst_keys.dtype == dst_values.dtype in (torch.float32, torch.bfloat16)
+            and all(t.device.type == "cpu" for t in (keys, values, dst_keys, dst_values))
+            and keys.stride() == values.stride() and dst_keys.stride() == dst_values.stride()
+            and keys.stride(-1) == 1 and dst_keys.stride(-1) == 1):
+        return False
+    kv_heads, n, head_dim = keys.shape
+    assert values.shape == keys.shape, "keys and values: one shape"
+    assert dst_keys.shape == dst_values.shape and dst_keys.shape[1:] == (kv_heads, head_dim), \
+        f"destination {tuple(dst_keys.shape)} for rows of {kv_heads} x {head_dim}"
+    if slots is not None:
+        assert_kernel_tensors(slots=(slots, torch.long))
+        assert slots.numel() == n, "slots: one a row"
+    check(load_kernel().kv_store_rows(
+        keys.data_ptr(), values.data_ptr(), n, keys.stride(1), keys.stride(0), kv_heads,
+        head_dim, None if slots is None else slots.data_ptr(), dst_keys.shape[0],
+        dst_keys.data_ptr(), dst_values.data_ptr(), dst_keys.stride(0), dst_keys.stride(1),
+        int(dst_keys.dtype == torch.bfloat16)), "kv_store_rows")
+    return True
+
+
+class SpareBuffers:
+    """Large tensors one path makes and drops over and over (a chunked prompt's KV so far,
+    ``PrefillJob.whole``: 47 MB for a 1,024-token prompt of SmolLM2), kept for the next
+    instead of handed back to the allocator: a fresh buffer takes a page fault per 4 KB at
+    its first write (about 3 us each on a 2-core VM, 0.3 ms a layer of a 256-token chunk),
+    a reused one none. Holds at most ``count`` buffers, ``max_bytes`` in all."""
+
+    def __init__(self, count: int = 4, max_bytes: int = 1 << 30) -> None:
+        self.count, self.max_bytes = count, max_bytes
+        self._free: list[torch.Tensor] = []  # 1-D buffers
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device | str) -> torch.Tensor:
+        """A contiguous ``shape`` tensor (uninitialised): a view of the smallest spare that
+        holds it, else of a new buffer (which :meth:`give` can keep once it is dropped)."""
+        need = math.prod(shape)
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.dtype == dtype
+                    and b.device == torch.device(device) and b.numel() >= need]
+            if fits:
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                return buf[:need].view(shape)
+        return torch.empty(need, dtype=dtype, device=device).view(shape)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (from :meth:`take`; nothing else may use it from now on) kept for a
+        later take while there is room; others are left to the allocator."""
+        buf = tensor._base if tensor._base is not None else tensor
+        if buf.dim() != 1:
+            return
+        with self._lock:
+            kept = sum(b.numel() * b.element_size() for b in self._free)
+            if (len(self._free) < self.count and all(b is not buf for b in self._free)
+                    and kept + buf.numel() * buf.element_size() <= self.max_bytes):
+                self._free.append(buf)
+

@@ -38,10 +38,10 @@ from app.attention import (
     MixedStep,
     PagedCacheView,
     PagedDecodeStep,
-    inplace_attention_unavailable,
     serving_sdpa_backends,
 )
 from app.config import EngineConfig, dtype_name
+from app.decode_attention import inplace_attention_unavailable
 from app.fused_decode import (
     FusedDecode,
     fused_decode_unavailable,

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.idle_cores import IdleCores
+from app.kv_cache import SpareBuffers
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest
 from app.model_runner import ModelRunner
@@ -180,6 +181,7 @@ class Prefiller:
         self.fingerprint = fingerprint
         self.prefix_cache = prefix_cache
         self.eos_token_ids = eos_token_ids  # masked from a first token under min_tokens
+        self.spares = SpareBuffers()  # chunked prompts' KV so far, reused (``room``)
         cfg = runner.config
         # which prompts and chunks each pass takes: the policy the planner's simulator runs
         self.policy = PrefillPolicy.from_config(cfg)
@@ -204,8 +206,9 @@ class Prefiller:
             return False
         if job.whole is None and not job.parts:
             lay = self.runner.layout
-            job.whole = torch.empty((lay.num_layers, 2, lay.num_kv_heads, job.req.num_tokens,
-                                     lay.head_dim), dtype=work, device=self.runner.kv_device)
+            job.whole = self.spares.take((lay.num_layers, 2, lay.num_kv_heads,
+                                          job.req.num_tokens, lay.head_dim), work,
+                                         self.runner.kv_device)
         return True
 
     def validate(self, req: PrefillRequest) -> None:
@@ -379,6 +382,9 @@ class Prefiller:
         kv = job.kv()
         assert kv is not None and kv.shape[3] == job.req.num_tokens
         kv = kv.to(self.runner.kv_dtype)  # a ``whole`` in the runner's dtype: cast once
+        if job.whole is not None and kv.dtype != job.whole.dtype:  # the cast is the package
+            self.spares.give(job.whole)
+            job.whole = None
         if self.prefix_cache is not None:
             self.prefix_cache.insert(job.req.prompt_token_ids, kv)
         r = job.req

@@ -66,11 +66,12 @@ def bf16_attention_unavailable(weights: str | None) -> str | None:
 
 
 def _kernel_prefill_attention(query, key, value, starts: torch.Tensor, pmax: int, scaling,
-                              bf16: bool = False):
+                              bf16: bool = False, out: torch.Tensor | None = None):
     """``query`` [B, heads, S, hd] over ``key``/``value`` [B, kv_heads, pmax + S, hd] (row
     ``i`` sees its first ``starts[i]`` positions and, causally, the last S) -> the attention
     output [B, S, heads, hd], the layout ``sdpa_attention_forward`` returns. ``bf16``: the
-    products in bf16 (``prefill_attention_bf16``), sums in float32."""
+    products in bf16 (``prefill_attention_bf16``), sums in float32. ``out``: where to
+    write it (float32, strided, each head's row contiguous), else made."""
     bsz, heads, seq, head_dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
@@ -78,7 +79,10 @@ def _kernel_prefill_attention(query, key, value, starts: torch.Tensor, pmax: int
     assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v))
     assert k.shape == v.shape == (bsz, kv_heads, total, head_dim) and total == pmax + seq
     assert starts.numel() == bsz, "starts: one a row"
-    out = torch.empty((bsz, seq, heads, head_dim), dtype=torch.float32)
+    if out is None:
+        out = torch.empty((bsz, seq, heads, head_dim), dtype=torch.float32)
+    assert out.shape == (bsz, seq, heads, head_dim) and out.dtype == torch.float32
+    assert out.device.type == "cpu" and out.stride(-1) == 1, "out: rows of head_dim in a row"
     lib = load_kernel()
     entry = "prefill_attention_bf16" if bf16 else "prefill_attention"
     rc = getattr(lib, entry)(

@@ -74,6 +74,10 @@ int decode_step(float *hidden, long m, long n_layers, void *const *ptrs, long hs
                 const float *head, const float *head_bias, long vocab, float *logits,
                 int threads, int wtype, const float *head_scale, int kv_bf16);
 
+int kv_store_rows(const float *k, const float *v, long n, long src_row, long src_head,
+                  long kv_heads, long hd, const long *slots, long nslots, void *dst_k,
+                  void *dst_v, long dst_slot, long dst_head, int bf);
+
 /* prefill_layer.c: a Llama-style layer of a prefill or mixed pass, around its attention */
 int layer_qkv(const float *hidden, long m, long hsize, const float *norm_w, float eps,
               const void *qkv_panels, int wtype, const float *qkv_scale, const float *qkv_bias,

@@ -104,6 +104,22 @@ FUZZ = textwrap.dedent("""
         "heads not a multiple": (pre(L(0), heads=3), -3), "zero kv heads": (pre(L(0), kv=0), -3),
         "head_dim 8": (pre(L(0), d=8), -1), "negative batch": (pre(L(0), batch=-1), -3),
     })
+    # rows' keys and values into a pool: every slot checked before anything is written
+    src = torch.randn(3, kvh, hd); dst = torch.zeros(2, slots, kvh, hd)
+    def store(slot_list, n=3, kv=kvh, d=hd, ns=slots):
+        return lib.kv_store_rows(P(src), P(src), n, kvh * hd, hd, kv, d, P(slot_list), ns,
+                                 P(dst[0]), P(dst[1]), kvh * hd, hd, 0)
+    inside, late = L(0, 5, slots - 1), L(0, 5, slots)  # held: their pointers are read
+    cases.update({
+        "store ok": (store(inside), 0), "store past the pool": (store(late), -6),
+        "store negative slot": (store(L(3, -1, 2)), -6),
+        "store negative rows": (store(inside, n=-1), -3),
+        "store zero kv heads": (store(inside, kv=0), -3),
+        "store zero head_dim": (store(inside, d=0), -3),
+        "store rows beyond slots": (lib.kv_store_rows(P(src), P(src), 3, kvh * hd, hd, kvh, hd,
+                                    None, 2, P(dst[0]), P(dst[1]), kvh * hd, hd, 1), -6),
+    })
+    assert dst[:, slots - 1].abs().sum() > 0 and dst[:, 3].abs().sum() == 0  # refused: none
     bad = {name: got for name, (got, want) in cases.items() if got != want}
     assert not bad, bad
     try:

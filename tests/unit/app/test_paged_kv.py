@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from app.attention import (
     PagedCacheView,
     PagedDecodeStep,
-    inplace_attention_unavailable,
     paged_attention,
 )
 from app.config import EngineConfig
 from app.cpu_kernels import kernel_unavailable
 from app.decode import Decoder
+from app.decode_attention import inplace_attention_unavailable
 from app.engine_core import EngineCore
 from app.kv_cache import BlockAllocator, LayerSpan, PagedKVCache
 from app.kv_package import KVLayout

@@ -276,8 +276,10 @@ def test_a_prompt_alone_in_its_pass_writes_each_chunk_into_its_kv_in_place(tiny_
     while packages[0] is None:
         packages = prefiller.run_pass([job])
         assert job.parts == [] and job.in_whole == job.done
-    assert len(intos) == 6 and all(into is job.whole for into in intos)
-    assert job.whole.dtype == torch.float32 and job.in_whole == 45
+    assert len(intos) == 6 and all(into is intos[0] for into in intos)
+    assert intos[0].dtype == torch.float32 and job.in_whole == 45
+    # cast to bf16, the package is a copy: the KV so far goes back to the prefiller's spares
+    assert (job.whole is None) == (kv_dtype == "bfloat16")
     got = packages[0]
     assert got.first_token == want.first_token
     assert got.kv_tensor().dtype == want.kv_tensor().dtype == prefiller.runner.kv_dtype

@@ -3,7 +3,7 @@
 #   new: /work/main; old: $OLD (a worktree sharing main's .venv); mid: $MID. The colocated app
 #   (CFG), the peer's bench client (IL OL N C SEED: W-long), the replica's stats() read before
 #   and after the timed run (stats-before.json, stats-after.json). PERF=1: also `perf record -a`
-#   over 10 s of the timed run from 4 s in (perf.data) and the kernel library each process
+#   over 10 s (PERF_S) of the timed run from 4 s in (perf.data; PERF_OPTS: its options) and the kernel library each process
 #   mapped (libs.txt).
 set -u
 O=$1; mkdir -p "$O"
@@ -23,7 +23,7 @@ print(json.dumps(serve.get_deployment_handle('ColocatedServer', 'colocated').sta
     SEED=${SEED:-2} RESULT_DIR=$d bench w 8000 "${IL:-1024}" "${OL:-16}" "${N:-16}" "${C:-4}" inf --ignore-eos > "$d/w.log" 2>&1 &
     B=$!
     if [ "${PERF:-0}" = 1 ]; then
-      sleep 4; perf record -a -F 499 -o "$d/perf.data" -- sleep 10 > /dev/null 2>&1
+      sleep ${PERF_AT:-4}; perf record -a ${PERF_OPTS:--F 499} -o "$d/perf.data" -- sleep ${PERF_S:-10} > /dev/null 2>&1
       grep -l splitserve-cpu /proc/[0-9]*/maps 2>/dev/null | while read -r m; do
         grep -o "splitserve-cpu-[0-9a-f]*" "$m" | head -1; done | sort | uniq -c > "$d/libs.txt"
     fi
