@@ -5,27 +5,13 @@ A prompt becomes a :class:`PrefillJob`. Its start may come from the prefix cache
 tokens per prompt, each pass attending to what earlier passes computed. A prompt is done
 (its first token sampled, its KV package made, its blocks cached) when its last chunk is.
 
-Which prompts share a pass (``Prefiller.plan_pass``):
-
-* shortest remaining first: a chat that arrives while a document is being prefilled gets
-  into the next pass, not behind the whole document;
-* fairness: once a prompt has waited ``prefill_fairness_s``, every other pass is led by the
-  longest-waiting such prompt, so a document keeps at least half the passes however many
-  short prompts arrive;
-* a pass computes at most ``prefill_chunk_tokens`` (padding included): rows share a pass
-  while ``rows x longest chunk`` fits it (and ``prefill_token_budget``), rows stay within
-  ``prefill_max_batch_size``, and padding wastes at most a quarter of the computed tokens
-  (a 64-token chat is not padded to a 256-token chunk). Several documents do not share one
-  long pass: a prompt that arrives waits for at most one pass of that size;
-* a pass takes no more prompts once it holds ``prefill_batch_tokens`` (when set): each
-  prompt in a pass waits for all of it, and where such a pass computes about as fast per
-  token as a longer one (a CPU, ``serve_configs/local.yaml``: BENCHMARKS.md §4), a wave of
-  eight chats is answered two at a time, not all of them after the whole wave's compute;
-* preemption between layers: a server runs a pass ``prefill_preempt_layers`` layers at a
-  time (``start_pass``, ``advance``), and a prompt that arrived meanwhile needing at most
-  half the pass's tokens gets a pass of its own before the rest
-  (``app.prefill_queue.PrefillQueue``): a chat waits for a few layers of a document's
-  chunk, not the whole chunk.
+Which prompts share a pass, and which chunks ride in a decode step, is
+``app.prefill_policy.PrefillPolicy``'s to say (shortest remaining first, fairness, the
+chunk, batch and padding bounds; its docstring). Preemption between layers: a server runs
+a pass ``prefill_preempt_layers`` layers at a time (``start_pass``, ``advance``), and a
+prompt that arrived meanwhile needing at most half the pass's tokens gets a pass of its own
+before the rest (``app.prefill_queue.PrefillQueue``): a chat waits for a few layers of a
+document's chunk, not the whole chunk.
 
 Threads: a pass runs on the engine's ``num_threads``, or, with ``prefill_max_threads``, on as
 many more as the rest of the machine leaves cores idle (``app.idle_cores``: where the phases

@@ -8,6 +8,23 @@ A job is anything with ``remaining`` (prompt tokens still to compute), ``done`` 
 whose KV exists: a cached prefix and the chunks computed so far) and ``arrived`` (when it was
 queued, on the caller's clock). Callers hand in the candidates shortest remaining first
 (ties by arrival); the policy never sorts, so a caller may keep them in order as it likes.
+
+Which prompts share a pass (``plan_pass``, for ``Prefiller.plan_pass``):
+
+* shortest remaining first: a chat that arrives while a document is being prefilled gets
+  into the next pass, not behind the whole document;
+* fairness: once a prompt has waited ``prefill_fairness_s``, every other pass is led by the
+  longest-waiting such prompt, so a document keeps at least half the passes however many
+  short prompts arrive;
+* a pass computes at most ``prefill_chunk_tokens`` (padding included): rows share a pass
+  while ``rows x longest chunk`` fits it (and ``prefill_token_budget``), rows stay within
+  ``prefill_max_batch_size``, and padding wastes at most a quarter of the computed tokens
+  (a 64-token chat is not padded to a 256-token chunk). Several documents do not share one
+  long pass: a prompt that arrives waits for at most one pass of that size;
+* a pass takes no more prompts once it holds ``prefill_batch_tokens`` (when set): each
+  prompt in a pass waits for all of it, and where such a pass computes about as fast per
+  token as a longer one (a CPU, ``serve_configs/local.yaml``: BENCHMARKS.md §4), a wave of
+  eight chats is answered two at a time, not all of them after the whole wave's compute;
 """
 
 from __future__ import annotations
