@@ -58,9 +58,10 @@ class FusedLayers:
 
     def _buffer(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
         """A float32 ``shape`` tensor for the layer's own use (its normalized rows, q/k/v,
-        the MLP's scratch), the calling thread's, reused by every layer of its passes. A
-        fresh one would be fresh memory at every layer (a 259-row pass's MLP scratch is 5.4
-        MB of SmolLM2's), a page fault per 4 KB at its first write."""
+        the MLP's scratch), the calling thread's, reused by every layer of its passes and
+        held at its largest pass's size (the scratch: rows x (hidden + 3 x intermediate)
+        floats, 5.4 MB for a 259-row pass of SmolLM2). A fresh one would be fresh memory at
+        every layer, a page fault per 4 KB at its first write."""
         n = shape[0] * shape[1]
         buf = getattr(self._buffers, name, None)
         if buf is None or buf.numel() < n:
