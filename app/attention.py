@@ -27,7 +27,7 @@ A mixed pass (:class:`MixedStep`, the colocated engine's mixed batching) is one 
 tokens: the decode rows' tokens attend as above, then each prompt chunk attends its own
 earlier positions and itself as a prefill pass attends it (``app.prefill_attention``).
 Where the kernels serve the pass, its rows' keys and values go into the pool and into each
-prompt's KV so far in one kernel call a layer each (``app.kv_cache.store_rows``), and every
+prompt's KV so far in one kernel call a layer each (``app.kv_cache.write_rows``), and every
 group writes its output into one buffer the pass's layers share (``MixedStep.out``): torch's
 indexed copies, the concatenation and their page faults cost about 0.6 ms a layer.
 
@@ -47,7 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from app.decode_attention import decode_attention, inplace_decode_attention
-from app.kv_cache import PagedKVCache, store_rows
+from app.kv_cache import PagedKVCache, write_rows
 from app.kv_package import KVLayout
 from app.prefill_attention import PrefillSpan, _kernel_prefill_attention, _kernel_serves
 
@@ -126,8 +126,8 @@ class PagedCacheView:
         # key_states, value_states: [B, kv_heads, 1, head_dim]
         layer = self.layers[layer_idx]  # [2, slots, kv_heads, head_dim]
         write = self.step.write_slots[layer.device]
-        layer[0, write] = key_states[:, :, 0].to(layer.dtype)
-        layer[1, write] = value_states[:, :, 0].to(layer.dtype)
+        write_rows(key_states[:, :, 0].transpose(0, 1), value_states[:, :, 0].transpose(0, 1),
+                   layer[0], layer[1], write, kernel=self.step.inplace)
         if self.step.inplace:  # the whole pool: the kernel reads each row's own slots
             return layer[0], layer[1]
         read = self.step.read_slots[layer.device]
@@ -157,7 +157,7 @@ class MixedStep:
     prefill_kernel: bool = False
     kernel_starts: list[torch.Tensor] | None = None
     prefill_bf16: bool = False
-    # rows' keys/values written by the engine's kernel (store_rows) where it takes them
+    # rows' keys/values written by the engine's kernel (write_rows) where it takes them
     kv_kernel: bool = False
     # the attention's output [1, T, heads, hd], made by the first layer, reused by the next
     # (each layer's is read by its output product before the next layer's attention)
@@ -219,10 +219,8 @@ class MixedCacheView:
             assert step.decode is not None
             layer = self.layers[layer_idx]  # [2, slots, kv_heads, head_dim]
             write = step.decode.write_slots[layer.device]
-            k, v = key_states[0, :, :rows], value_states[0, :, :rows]
-            if not (step.kv_kernel and store_rows(k, v, layer[0], layer[1], write)):
-                layer[0, write] = k.transpose(0, 1).to(layer.dtype)
-                layer[1, write] = v.transpose(0, 1).to(layer.dtype)
+            write_rows(key_states[0, :, :rows], value_states[0, :, :rows], layer[0], layer[1],
+                       write, kernel=step.kv_kernel)
             if step.decode.inplace:  # the whole pool: the kernel reads each row's slots
                 decode_kv = (layer[0], layer[1])
             else:
@@ -238,10 +236,8 @@ class MixedCacheView:
             past, into = self.past[i], self.into[i]
             if into is not None:
                 p, dst = step.past_lens[i], into[layer_idx]  # [2, kv_heads, N, head_dim]
-                if not (step.kv_kernel and store_rows(k[0], v[0], dst[0, :, p:].transpose(0, 1),
-                                                      dst[1, :, p:].transpose(0, 1))):
-                    dst[0, :, p : p + n] = k[0]
-                    dst[1, :, p : p + n] = v[0]
+                write_rows(k[0], v[0], dst[0, :, p:].transpose(0, 1),
+                           dst[1, :, p:].transpose(0, 1), kernel=step.kv_kernel)
                 k, v = dst[0, :, : p + n][None], dst[1, :, : p + n][None]
             elif past is not None:
                 past_k, past_v = past[layer_idx]

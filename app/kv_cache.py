@@ -213,6 +213,21 @@ def store_rows(keys: torch.Tensor, values: torch.Tensor, dst_keys: torch.Tensor,
     return True
 
 
+
+def write_rows(keys: torch.Tensor, values: torch.Tensor, dst_keys: torch.Tensor,
+               dst_values: torch.Tensor, slots: torch.Tensor | None = None,
+               kernel: bool = False) -> None:
+    """Rows' keys and values into a pool layer's slots or a prompt's KV, as
+    :func:`store_rows` lays them out: through the engine's kernel where ``kernel`` (the
+    caller knows it is loaded) and it takes these tensors, else with torch's copies."""
+    if kernel and store_rows(keys, values, dst_keys, dst_values, slots):
+        return
+    for src, dst in ((keys, dst_keys), (values, dst_values)):
+        if slots is None:
+            dst[: src.shape[1]] = src.transpose(0, 1)
+        else:
+            dst[slots] = src.transpose(0, 1).to(dst.dtype)
+
 class SpareBuffers:
     """Large tensors one path makes and drops over and over (a chunked prompt's KV so far,
     ``PrefillJob.whole``: 47 MB for a 1,024-token prompt of SmolLM2), kept for the next
