@@ -164,6 +164,21 @@ class RotaryTable:
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
+def pointer_table(weights: list[list[torch.Tensor | None]], cache: PagedKVCache
+                  ) -> ctypes.Array:
+    """decode_step.c's per-layer pointer table (``decode_step``, ``mixed_layers``): each
+    layer's ``weights`` (:func:`layer_weights`) and then its pool's keys and values in
+    ``cache``. It points into those tensors: the caller holds them while it is used."""
+    ptrs: list[int | None] = []
+    for layer, pool in zip(weights, cache.layers, strict=True):
+        ptrs += [None if t is None else t.data_ptr() for t in layer]
+        # pool: [2, slots, kv_heads, head_dim]
+        assert pool.is_contiguous() and pool.dtype in (torch.float32, torch.bfloat16)
+        assert pool.shape == cache.layers[0].shape  # one slot count for every layer
+        ptrs += [pool[0].data_ptr(), pool[1].data_ptr()]
+    return (ctypes.c_void_p * len(ptrs))(*ptrs)
+
+
 class FusedDecode:
     """Decode steps of a Llama-style model as one call to ``decode_step.c``."""
 
@@ -208,15 +223,7 @@ class FusedDecode:
     def _pointers(self, cache: PagedKVCache) -> ctypes.Array:
         """The pointer table for ``cache``'s pool (built once per pool)."""
         if self._table_cache is not cache:
-            ptrs = []
-            for weights, pool in zip(self._weights, cache.layers, strict=True):
-                ptrs += [None if t is None else t.data_ptr() for t in weights]
-                # pool: [2, slots, kv_heads, head_dim]
-                assert pool.is_contiguous() and pool.dtype in (torch.float32, torch.bfloat16)
-                assert pool.shape == cache.layers[0].shape  # one slot count for every layer
-                ptrs += [pool[0].data_ptr(), pool[1].data_ptr()]
-            self._table = (ctypes.c_void_p * len(ptrs))(*ptrs)
-            self._table_cache = cache
+            self._table, self._table_cache = pointer_table(self._weights, cache), cache
         return self._table
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

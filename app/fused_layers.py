@@ -17,17 +17,26 @@ It serves the models the fused decode step serves (``app.fused_decode``:
 side by side); the runner uses it for every pass its modules would run (prefill, mixed,
 and decode steps that cannot be fused) on float32 activations on the CPU. The arithmetic is
 the decode step's, row by row, so a row's values do not depend on the rest of the pass.
+
+A mixed pass whose chunks are all written into their prompts' KV (``into``, as every chunk
+of a chunked prompt is) runs all its layers in one call (:meth:`FusedLayers.mixed_pass`,
+``mixed_layers``): the same kernels in the same order as the layer loop, so the same bits,
+without the loop's Python between them (about 0.6 ms a layer of SmolLM2, while the OpenMP
+team waits: W-long in one process 1.17x prompt tok/s,
+docs/benchmarks/results/2026-12-07-mixed-one-call/).
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any
 
 import torch
 
-from app.attention import paged_attention
+from app.attention import MixedCacheView, paged_attention
 from app.cpu_kernels import WTYPES, assert_kernel_tensors, check, load_kernel
+from app.fused_decode import pointer_table
 
 # the per-layer table's entries (app.fused_decode.layer_weights, decode_step.c's order)
 (IN_NORM, QKV, QKV_BIAS, OUT, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS,
@@ -55,6 +64,12 @@ class FusedLayers:
         self.weights = weights
         assert len(weights) == len(self.attn)
         self._buffers = threading.local()  # each thread's, see _buffer
+        # a mixed pass in one call (mixed_pass): every layer's attention the same, unwindowed
+        scales = {a.scaling for a in self.attn}
+        self.one_scale = (scales.pop() if len(scales) == 1 and None not in scales
+                          and all(getattr(a, "sliding_window", None) is None for a in self.attn)
+                          else None)
+        self._table: tuple[Any, ctypes.Array] | None = None  # (the pool, its pointer table)
 
     def _buffer(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
         """A float32 ``shape`` tensor for the layer's own use (its normalized rows, q/k/v,
@@ -123,4 +138,59 @@ class FusedLayers:
             _ptr(w[GATE_UP_SCALE]), _ptr(w[GATE_UP_BIAS]), self.inter, w[DOWN].data_ptr(),
             _ptr(w[DOWN_SCALE]), _ptr(w[DOWN_BIAS]), self.wtype, scratch.data_ptr(), threads),
             "layer_mlp")
+        return x.view(bsz, seq, h)
+
+    def _one_call(self, cache: Any, attention_kwargs: dict) -> bool:
+        """Whether :meth:`mixed_pass` computes this pass exactly as :meth:`layer` would: a
+        mixed pass whose chunks all have ``into`` (float32, contiguous, as the kernel lays
+        them out) and attend through the prefill kernel, and whose decode rows read and
+        write the pool in place."""
+        step = attention_kwargs.get("mixed_step")
+        if (not isinstance(cache, MixedCacheView) or set(attention_kwargs) != {"mixed_step"}
+                or self.one_scale is None or not step.prefill_kernel
+                or (step.rows and not (step.decode.inplace and step.kv_kernel))):
+            return False
+        shape = (len(self.attn), 2, self.kv_heads)
+        return all(t is not None and t.dtype == torch.float32 and t.device.type == "cpu"
+                   and t.is_contiguous() and t.shape[:3] == shape
+                   and t.shape[4] == self.head_dim for t in cache.into)
+
+    def mixed_pass(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                   cache: Any, attention_kwargs: dict) -> torch.Tensor | None:
+        """Every layer of a mixed pass in one kernel call (``mixed_layers``, prefill_layer.c:
+        the calls :meth:`layer` and the cache view make, in their order, without the
+        Python between them) -> the last layer's output, or None for a pass it does not
+        take (:meth:`_one_call`; the caller runs :meth:`layer` for each layer)."""
+        if not self._one_call(cache, attention_kwargs):
+            return None
+        step, pool = cache.step, cache.layers
+        bsz, seq, h = hidden.shape
+        m, nq, nkv = bsz * seq, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        x, (cos, sin) = hidden.contiguous(), rotary
+        assert_kernel_tensors(hidden=(x, torch.float32), cos=(cos, torch.float32),
+                              sin=(sin, torch.float32))
+        assert h == self.hidden and cos.shape == sin.shape == (m, self.head_dim)
+        if self._table is None or self._table[0] is not pool:
+            self._table = (pool, pointer_table(self.weights, cache))
+        write = read = offsets = None
+        if step.rows:
+            (write,), (read,) = step.decode.write_slots.values(), step.decode.read_slots.values()
+            offsets = step.decode.offsets
+            assert_kernel_tensors(write=(write, torch.long), read=(read, torch.long),
+                                  offsets=(offsets, torch.long))
+            assert write.numel() == step.rows and offsets.numel() == step.rows + 1
+        into = cache.into
+        lens, pasts, rooms = (torch.tensor(v, dtype=torch.long) for v in (
+            step.chunk_lens, step.past_lens, [t.shape[3] for t in into]))
+        buffers = [self._buffer(name, (m, n)) for name, n in (
+            ("xn", h), ("qkv", nq + 2 * nkv), ("att", nq), ("scratch", h + 3 * self.inter))]
+        check(self._lib.mixed_layers(
+            x.data_ptr(), m, len(self.attn), self._table[1], h, self.heads, self.kv_heads,
+            self.head_dim, self.inter, cos.data_ptr(), sin.data_ptr(), self.eps,
+            float(self.one_scale), step.rows, _ptr(write), _ptr(read),
+            0 if read is None else read.numel(), _ptr(offsets), pool[0].shape[1],
+            pool[0].dtype == torch.bfloat16, len(into), lens.data_ptr(), pasts.data_ptr(),
+            rooms.data_ptr(), (ctypes.c_void_p * len(into))(*(t.data_ptr() for t in into)),
+            step.prefill_bf16, self.wtype, *(b.data_ptr() for b in buffers),
+            torch.get_num_threads()), "mixed_layers")
         return x.view(bsz, seq, h)

@@ -207,6 +207,10 @@ class ModelRunner:
         fused = self.fused_layers
         if fused is not None and not self.multi_device and fused.serves(hidden):
             rotary = fused.rotary(cos_sin)
+            whole = fused.mixed_pass(hidden, rotary, cache, attention_kwargs)
+            if whole is not None:  # every layer in one call
+                yield len(self.layers)
+                return whole
             for index in range(len(self.layers)):
                 hidden = fused.layer(index, hidden, rotary, mask, cache, **attention_kwargs)
                 yield index + 1

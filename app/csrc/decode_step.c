@@ -14,7 +14,7 @@
  * holds), SiLU(gate) * up, the residual sums. Sums run in another order than torch's, so
  * values differ from the model's in the last bits, as the panel kernel's products do.
  *
- * Per layer, the caller passes LAYER_PTRS pointers (see the enum): the norms' weights, the
+ * Per layer, the caller passes LAYER_PTRS pointers (the enum in layer_ops.h): the norms' weights, the
  * panels (float32, bf16 or int8, one kind for the whole model: wtype, as panel_linear_w) of q/k/v side by side (one product for all three: the 192-wide k and v products
  * alone stream too little to reach the memory's speed), the output product's, gate/up side
  * by side, down, any biases (NULL when absent), int8 panels' column scales, and the layer's KV pool (keys, values:
@@ -35,25 +35,6 @@
 #include "kernels.h"
 #include "layer_ops.h"
 
-enum {
-    IN_NORM,   /* [hidden] */
-    QKV,       /* panels of [q; k; v] weights, [heads + 2 kv_heads] * head_dim outputs */
-    QKV_BIAS,  /* [q; k; v] bias or NULL */
-    O,         /* panels of the output product, hidden outputs */
-    O_BIAS,
-    POST_NORM, /* [hidden] */
-    GATE_UP,   /* panels of [gate; up], 2 * inter outputs */
-    GATE_UP_BIAS,
-    DOWN,      /* panels of down, hidden outputs */
-    DOWN_BIAS,
-    QKV_SCALE, /* int8 panels: each product's [outputs] column scales; else NULL */
-    O_SCALE,
-    GATE_UP_SCALE,
-    DOWN_SCALE,
-    KEYS,      /* the layer's pool: [slots, kv_heads, head_dim] */
-    VALUES,
-    LAYER_PTRS
-};
 
 long decode_step_layer_ptrs(void) { return LAYER_PTRS; }
 

@@ -88,6 +88,13 @@ int layer_mlp(float *hidden, long m, long hsize, const float *att, long nq, cons
               const void *gate_up, const float *gate_up_scale, const float *gate_up_bias,
               long inter, const void *down, const float *down_scale, const float *down_bias,
               int wtype, float *scratch, int threads);
+int mixed_layers(float *hidden, long m, long n_layers, void *const *ptrs, long hsize,
+                 long heads, long kv_heads, long hd, long inter, const float *cos,
+                 const float *sin, float eps, float scale, long rows, const long *write,
+                 const long *read, long nread, const long *offsets, long slots, int kv_bf16,
+                 long chunks, const long *lens, const long *pasts, const long *rooms,
+                 float *const *into, int attn_bf16, int wtype, float *xn, float *qkv,
+                 float *att, float *scratch, int threads);
 
 /* prefill_attention.c: causal attention of a pass's new tokens over their past */
 int prefill_attention_args(const float *q, const float *k, const float *v, const float *out,

@@ -8,6 +8,28 @@
 
 #include "vec_math.h"
 
+/* A layer's entries in the pointer table of decode_step and mixed_layers (decode_step.c's
+   header has what each holds). */
+enum {
+    IN_NORM,   /* [hidden] */
+    QKV,       /* panels of [q; k; v] weights, [heads + 2 kv_heads] * head_dim outputs */
+    QKV_BIAS,  /* [q; k; v] bias or NULL */
+    O,         /* panels of the output product, hidden outputs */
+    O_BIAS,
+    POST_NORM, /* [hidden] */
+    GATE_UP,   /* panels of [gate; up], 2 * inter outputs */
+    GATE_UP_BIAS,
+    DOWN,      /* panels of down, hidden outputs */
+    DOWN_BIAS,
+    QKV_SCALE, /* int8 panels: each product's [outputs] column scales; else NULL */
+    O_SCALE,
+    GATE_UP_SCALE,
+    DOWN_SCALE,
+    KEYS,      /* the layer's pool: [slots, kv_heads, head_dim] */
+    VALUES,
+    LAYER_PTRS
+};
+
 /* out[i] = w * (x[i] * rsqrt(mean(x[i]^2) + eps)) for each of m rows of h values. */
 static inline void rms_norm(const float *x, long m, long h, const float *w, float eps, float *out) {
     for (long i = 0; i < m; i++) {

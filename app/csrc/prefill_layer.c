@@ -31,6 +31,8 @@
  */
 #include <omp.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 #include "layer_ops.h"
@@ -163,4 +165,84 @@ int layer_mlp(float *hidden, long m, long hsize, const float *att, long nq, cons
                         down_scale, down_bias, o, gate_up, down, hsize, nq, inter, eps, wtype};
     if (m >= ROW_SPLIT && threads > 1) return over_row_blocks(mlp_block, &j, m, threads);
     return mlp_rows(&j, 0, m, threads, m >= PARALLEL_ROWS ? threads : 1);
+}
+
+/* Every layer of a mixed pass in one call: the decode rows and prompt chunks of
+ * app.attention.MixedStep, each chunk written into its prompt's KV so far (`into`), as the
+ * Python layer loop (app.fused_layers.FusedLayers.layer, app.attention.MixedCacheView and
+ * its attention groups) runs them, call for call: layer_qkv; the decode rows' keys and
+ * values into their pool slots and each chunk's into its prompt's KV (kv_store_rows); the
+ * decode rows' attention over the pool in place (paged_decode_attention); each chunk's over
+ * its past and itself (prefill_attention, or prefill_attention_bf16 where attn_bf16);
+ * layer_mlp. The same kernels in the same order, so the pass's values are the loop's, bit
+ * for bit; what goes is the loop's Python between them (about 0.6 ms a layer, during which
+ * the OpenMP team waits).
+ *
+ * hidden [m, hsize] (updated in place), m = rows + the chunks' lengths, decode rows first;
+ * ptrs: decode_step.c's per-layer table (its pool pointers read only when rows > 0);
+ * write/read/offsets/slots/kv_bf16: the decode rows' slots, as decode_step; chunk c has
+ * lens[c] tokens at positions pasts[c].., its prompt's KV at into[c], float32
+ * [n_layers][2][kv_heads][rooms[c]][hd], positions [0, pasts[c]) filled. xn [m, hsize],
+ * qkv [m, nq + 2 nkv], att [m, nq], scratch [m, hsize + 3 inter]: the caller's buffers. */
+int mixed_layers(float *hidden, long m, long n_layers, void *const *ptrs, long hsize,
+                 long heads, long kv_heads, long hd, long inter, const float *cos,
+                 const float *sin, float eps, float scale, long rows, const long *write,
+                 const long *read, long nread, const long *offsets, long slots, int kv_bf16,
+                 long chunks, const long *lens, const long *pasts, const long *rooms,
+                 float *const *into, int attn_bf16, int wtype, float *xn, float *qkv,
+                 float *att, float *scratch, int threads) {
+    if (m < 1 || n_layers < 0 || rows < 0 || chunks < 0 || heads < 1 || kv_heads < 1
+        || heads % kv_heads || hd < 1 || threads < 1 || ptrs == NULL || xn == NULL
+        || qkv == NULL || att == NULL || scratch == NULL || (chunks > 0 && (lens == NULL
+        || pasts == NULL || rooms == NULL || into == NULL)))
+        return SK_BAD_SHAPE;
+    long total = rows;
+    for (long c = 0; c < chunks; c++) {
+        if (lens[c] < 1 || pasts[c] < 0 || pasts[c] + lens[c] > rooms[c] || into[c] == NULL)
+            return SK_BAD_SHAPE;
+        total += lens[c];
+    }
+    if (total != m) return SK_BAD_SHAPE;
+    if (rows > 0) {
+        int status = paged_slots_check(write, rows, read, nread, offsets, slots);
+        if (status != SK_OK) return status;
+    }
+    long nq = heads * hd, nkv = kv_heads * hd, nqkv = nq + 2 * nkv;
+    float *q = rows > 0 ? malloc(sizeof(float) * (size_t)(rows * nq)) : NULL;
+    if (rows > 0 && q == NULL) return SK_NO_MEMORY;
+    int rc = SK_OK;
+    for (long l = 0; l < n_layers && rc == SK_OK; l++) {
+        void *const *w = ptrs + l * LAYER_PTRS;
+        rc = layer_qkv(hidden, m, hsize, w[IN_NORM], eps, w[QKV], wtype, w[QKV_SCALE],
+                       w[QKV_BIAS], heads, kv_heads, hd, cos, sin, xn, qkv, threads);
+        if (rc == SK_OK && rows > 0)
+            rc = kv_store_rows(qkv + nq, qkv + nq + nkv, rows, nqkv, hd, kv_heads, hd, write,
+                               slots, w[KEYS], w[VALUES], nkv, hd, kv_bf16);
+        for (long c = 0, at = rows; c < chunks && rc == SK_OK; at += lens[c], c++) {
+            float *keys = into[c] + l * 2 * nkv * rooms[c] + pasts[c] * hd;
+            rc = kv_store_rows(qkv + at * nqkv + nq, qkv + at * nqkv + nq + nkv, lens[c], nqkv,
+                               hd, kv_heads, hd, NULL, rooms[c] - pasts[c], keys,
+                               keys + nkv * rooms[c], hd, rooms[c] * hd, 0);
+        }
+        if (rc == SK_OK && rows > 0) {
+            for (long b = 0; b < rows; b++) memcpy(q + b * nq, qkv + b * nqkv, sizeof(float) * nq);
+            rc = paged_decode_attention(q, w[KEYS], w[VALUES], slots, kv_heads, hd,
+                                        heads / kv_heads, read, nread, offsets, rows, scale,
+                                        att, threads, kv_bf16);
+        }
+        for (long c = 0, at = rows; c < chunks && rc == SK_OK; at += lens[c], c++) {
+            const float *keys = into[c] + l * 2 * nkv * rooms[c], *values = keys + nkv * rooms[c];
+            long t = pasts[c] + lens[c];
+            rc = (attn_bf16 ? prefill_attention_bf16 : prefill_attention)(
+                qkv + at * nqkv, 0, hd, nqkv, keys, 0, rooms[c] * hd, hd, values, 0,
+                rooms[c] * hd, hd, att + at * nq, 0, hd, nq, 1, heads, kv_heads, lens[c], t,
+                hd, pasts + c, pasts[c], scale, threads);
+        }
+        if (rc == SK_OK)
+            rc = layer_mlp(hidden, m, hsize, att, nq, w[O], w[O_SCALE], w[O_BIAS],
+                           w[POST_NORM], eps, w[GATE_UP], w[GATE_UP_SCALE], w[GATE_UP_BIAS],
+                           inter, w[DOWN], w[DOWN_SCALE], w[DOWN_BIAS], wtype, scratch, threads);
+    }
+    free(q);
+    return rc;
 }

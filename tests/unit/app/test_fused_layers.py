@@ -11,6 +11,7 @@ import torch
 from app import cpu_kernels
 from app.config import EngineConfig
 from app.engine_core import EngineCore
+from app.fused_layers import FusedLayers
 from app.model_runner import ModelRunner
 from app.packed_linear import pack_linears
 from tests.conftest import make_tiny_model
@@ -116,6 +117,80 @@ def test_a_mixed_pass_gives_what_the_models_modules_give():
     torch.testing.assert_close(chunk_a, chunk_b, rtol=1e-4, atol=1e-4)
     for a, b in zip(kv_a, kv_b, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _mixed_one_call_run(runner, decode_rows: int, calls: list):
+    """A mixed pass of ``decode_rows`` decode rows, a document's later chunk and a fresh
+    prompt's chunk, both written into their prompts' KV (``into``): the pass's logits, the
+    two buffers and the decode rows' KV after it (``calls``: emptied as the pass starts)."""
+    lengths = [9, 30][:decode_rows]
+    cache = runner.make_kv_cache(16, 4)
+    tables = [list(range(0, 4)), list(range(4, 12))][:decode_rows]
+    if decode_rows:
+        _, kvs = runner.forward_prefill([list(range(20, 20 + n)) for n in lengths])
+        for table, kv in zip(tables, kvs, strict=True):
+            cache.write(table, kv)
+    doc = list(range(200, 250))
+    _, [past] = runner.forward_prefill([doc[:21]])
+    whole = torch.full((*past.shape[:3], 50, past.shape[4]), float("nan"))
+    whole[:, :, :, :21] = past
+    fresh = torch.full((*past.shape[:3], 13, past.shape[4]), float("nan"))
+    calls.clear()
+    dec, logits, kvs = runner.forward_mixed(
+        cache, tables, [4, 5][:decode_rows], lengths, [doc[21:40], list(range(60, 73))],
+        [whole[:, :, :, :21], fresh[:, :, :, :0]], [whole, fresh])
+    assert kvs[0].data_ptr() == whole[:, :, :, 21:].data_ptr()
+    return dec, logits, whole, fresh, [cache.read(t, n + 1)
+                                       for t, n in zip(tables, lengths, strict=True)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("decode_rows", [2, 0])
+@pytest.mark.parametrize(("weights", "kv_dtype"), [
+    ("float32", None), ("float32", "bfloat16"),
+    pytest.param("bfloat16dp", "bfloat16", marks=pytest.mark.skipif(
+        cpu_kernels.kernel_unavailable() is not None or not cpu_kernels.load_kernel()
+        .panel_has_avx512bf16(), reason="the CPU has no AVX512-BF16"))])
+def test_a_mixed_pass_in_one_call_gives_the_bits_of_the_layer_loop(monkeypatch, threads,
+                                                                    decode_rows, weights,
+                                                                    kv_dtype):
+    """Chunks written into their prompts' KV beside decode rows over the pool: every layer in
+    one kernel call (mixed_layers) gives the same bits as the layer-by-layer loop: logits,
+    the chunks' KV in their buffers, the decode rows' keys and values in the pool."""
+    model = make_tiny_model(seed=4)
+    pack_linears(model, layout="panels", weights=weights)
+    runner = ModelRunner(model, EngineConfig(kv_dtype=kv_dtype))
+    assert runner.prefill_bf16 == (weights == "bfloat16dp")
+    calls = []
+    layer = FusedLayers.layer
+    monkeypatch.setattr(FusedLayers, "layer", lambda *a, **kw: calls.append(1) or layer(*a, **kw))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        one = _mixed_one_call_run(runner, decode_rows, calls)
+        assert calls == []  # no layer through Python
+        monkeypatch.setattr(FusedLayers, "mixed_pass", lambda *a, **kw: None)
+        loop = _mixed_one_call_run(runner, decode_rows, calls)
+        assert len(calls) == model.config.num_hidden_layers
+    finally:
+        torch.set_num_threads(before)
+    for got, want in zip([*one[:4], *one[4]], [*loop[:4], *loop[4]], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # the same bits
+    assert one[2][:, :, :, 40:].isnan().all()  # nothing written past the chunk
+    assert not one[2][:, :, :, :40].isnan().any() and not one[3].isnan().any()
+
+
+def test_a_mixed_pass_with_a_chunk_kept_aside_runs_the_layer_loop(monkeypatch):
+    """A chunk without ``into`` (its KV kept per layer, as a fresh short prompt's is): the
+    pass is not one call; its layers run one by one."""
+    runner = _runner(True)
+    calls = []
+    layer = FusedLayers.layer
+    monkeypatch.setattr(FusedLayers, "layer", lambda *a, **kw: calls.append(1) or layer(*a, **kw))
+    cache = runner.make_kv_cache(8, 4)
+    calls.clear()
+    runner.forward_mixed(cache, [], [], [], [list(range(30, 40))])
+    assert len(calls) == runner.model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize(("config", "layout", "overrides", "reason"), [

@@ -120,6 +120,25 @@ FUZZ = textwrap.dedent("""
                                     None, 2, P(dst[0]), P(dst[1]), kvh * hd, hd, 1), -6),
     })
     assert dst[:, slots - 1].abs().sum() > 0 and dst[:, 3].abs().sum() == 0  # refused: none
+    # a mixed pass's layers in one call: its rows, chunks and slots checked before any layer
+    import ctypes
+    hid = torch.ones(3, 32); into = torch.full((1, 2, 2, 8, 16), 7.0); buf = torch.zeros(4096)
+    table, intos = (ctypes.c_void_p * 16)(), (ctypes.c_void_p * 1)(P(into))
+    def mixed(m=3, chunk=2, past=0, rows=1, write=L(1), read=L(1), offsets=L(0, 1)):
+        lens, pasts, rooms = L(chunk), L(past), L(8)
+        return lib.mixed_layers(P(hid), m, 1, table, 32, 2, 2, 16, 64, P(buf), P(buf), 1e-5,
+            0.25, rows, P(write), P(read), read.numel(), P(offsets), 4, 0, 1, P(lens),
+            P(pasts), P(rooms), intos, 0, 0, P(buf), P(buf), P(buf), P(buf), 2)
+    cases.update({
+        "mixed rows not the pass": (mixed(chunk=3), -3),
+        "mixed chunk past its room": (mixed(chunk=2, past=7), -3),
+        "mixed negative past": (mixed(past=-1), -3),
+        "mixed empty chunk": (mixed(m=1, chunk=0), -3),
+        "mixed write past the pool": (mixed(write=L(4)), -6),
+        "mixed read past the pool": (mixed(read=L(9)), -7),
+        "mixed offsets past read": (mixed(offsets=L(0, 2)), -8),
+    })
+    assert (hid == 1).all() and (into == 7.0).all()  # refused: nothing written
     bad = {name: got for name, (got, want) in cases.items() if got != want}
     assert not bad, bad
     try:
