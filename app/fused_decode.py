@@ -164,15 +164,19 @@ class RotaryTable:
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
-def pointer_table(weights: list[list[torch.Tensor | None]], cache: PagedKVCache
+def pointer_table(weights: list[list[torch.Tensor | None]], cache: PagedKVCache | None
                   ) -> ctypes.Array:
     """decode_step.c's per-layer pointer table (``decode_step``, ``mixed_layers``): each
     layer's ``weights`` (:func:`layer_weights`) and then its pool's keys and values in
-    ``cache``. It points into those tensors: the caller holds them while it is used."""
+    ``cache`` (None: NULL, for passes without decode rows). It points into those tensors:
+    the caller holds them while it is used."""
     ptrs: list[int | None] = []
-    for layer, pool in zip(weights, cache.layers, strict=True):
+    for index, layer in enumerate(weights):
         ptrs += [None if t is None else t.data_ptr() for t in layer]
-        # pool: [2, slots, kv_heads, head_dim]
+        if cache is None:
+            ptrs += [None, None]
+            continue
+        pool = cache.layers[index]  # [2, slots, kv_heads, head_dim]
         assert pool.is_contiguous() and pool.dtype in (torch.float32, torch.bfloat16)
         assert pool.shape == cache.layers[0].shape  # one slot count for every layer
         ptrs += [pool[0].data_ptr(), pool[1].data_ptr()]

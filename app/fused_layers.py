@@ -18,18 +18,19 @@ side by side); the runner uses it for every pass its modules would run (prefill,
 and decode steps that cannot be fused) on float32 activations on the CPU. The arithmetic is
 the decode step's, row by row, so a row's values do not depend on the rest of the pass.
 
-A mixed pass whose chunks are all written into their prompts' KV (``into``, as every chunk
-of a chunked prompt is) runs all its layers in one call (:meth:`FusedLayers.mixed_pass`,
-``mixed_layers``): the same kernels in the same order as the layer loop, so the same bits,
-without the loop's Python between them (about 0.6 ms a layer of SmolLM2, while the OpenMP
-team waits: W-long in one process 1.17x prompt tok/s,
-docs/benchmarks/results/2026-12-07-mixed-one-call/).
+Where every chunk of a pass is written into its prompt's KV (``into``: a chunked prompt's,
+or a buffer of its own for a prompt without a past), the layers run through one call each
+(``mixed_layers``; a mixed pass's all in one: :meth:`FusedLayers.pass_call`): the same
+kernels in the same order as the layer loop, so the same bits, without the loop's Python
+between them (about 0.6 ms a layer of SmolLM2, while the OpenMP team waits: W-long in one
+process 1.17x prompt tok/s, docs/benchmarks/results/2026-12-07-mixed-one-call/).
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ import torch
 from app.attention import MixedCacheView, paged_attention
 from app.cpu_kernels import WTYPES, assert_kernel_tensors, check, load_kernel
 from app.fused_decode import pointer_table
+from app.prefill_inputs import PrefillCollector
 
 # the per-layer table's entries (app.fused_decode.layer_weights, decode_step.c's order)
 (IN_NORM, QKV, QKV_BIAS, OUT, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS,
@@ -64,12 +66,13 @@ class FusedLayers:
         self.weights = weights
         assert len(weights) == len(self.attn)
         self._buffers = threading.local()  # each thread's, see _buffer
-        # a mixed pass in one call (mixed_pass): every layer's attention the same, unwindowed
+        # passes in one call a layer (pass_call): every layer's attention the same, unwindowed
         scales = {a.scaling for a in self.attn}
         self.one_scale = (scales.pop() if len(scales) == 1 and None not in scales
                           and all(getattr(a, "sliding_window", None) is None for a in self.attn)
                           else None)
         self._table: tuple[Any, ctypes.Array] | None = None  # (the pool, its pointer table)
+        self._no_pool: ctypes.Array | None = None  # the table for passes without decode rows
 
     def _buffer(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
         """A float32 ``shape`` tensor for the layer's own use (its normalized rows, q/k/v,
@@ -140,57 +143,131 @@ class FusedLayers:
             "layer_mlp")
         return x.view(bsz, seq, h)
 
-    def _one_call(self, cache: Any, attention_kwargs: dict) -> bool:
-        """Whether :meth:`mixed_pass` computes this pass exactly as :meth:`layer` would: a
-        mixed pass whose chunks all have ``into`` (float32, contiguous, as the kernel lays
-        them out) and attend through the prefill kernel, and whose decode rows read and
-        write the pool in place."""
-        step = attention_kwargs.get("mixed_step")
-        if (not isinstance(cache, MixedCacheView) or set(attention_kwargs) != {"mixed_step"}
-                or self.one_scale is None or not step.prefill_kernel
-                or (step.rows and not (step.decode.inplace and step.kv_kernel))):
-            return False
-        shape = (len(self.attn), 2, self.kv_heads)
-        return all(t is not None and t.dtype == torch.float32 and t.device.type == "cpu"
-                   and t.is_contiguous() and t.shape[:3] == shape
-                   and t.shape[4] == self.head_dim for t in cache.into)
+    def own_buffers(self, lens: list[int], past: list, into: list) -> set[int]:
+        """For a mixed pass's chunks without a past or a buffer (a prompt's first chunk, a
+        short prompt whole): a buffer of their own length for ``into`` (``past`` an empty
+        view of it), so that the pass is one call (:meth:`pass_call`); the chunks given
+        one. Their KV comes back as the buffer (float32): the caller casts it to the KV
+        dtype, as the layer loop's copies do."""
+        owned = {i for i, (p, w) in enumerate(zip(past, into, strict=True))
+                 if p is None and w is None}
+        for i in owned:
+            into[i] = torch.empty((len(self.attn), 2, self.kv_heads, lens[i], self.head_dim))
+            past[i] = into[i][:, :, :, :0]
+        return owned
 
-    def mixed_pass(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                   cache: Any, attention_kwargs: dict) -> torch.Tensor | None:
-        """Every layer of a mixed pass in one kernel call (``mixed_layers``, prefill_layer.c:
-        the calls :meth:`layer` and the cache view make, in their order, without the
-        Python between them) -> the last layer's output, or None for a pass it does not
-        take (:meth:`_one_call`; the caller runs :meth:`layer` for each layer)."""
-        if not self._one_call(cache, attention_kwargs):
+    def _takes(self, kv: torch.Tensor | None) -> bool:
+        """A prompt's KV buffer laid out as ``mixed_layers`` reads it."""
+        return (kv is not None and kv.dtype == torch.float32 and kv.device.type == "cpu"
+                and kv.is_contiguous() and kv.shape[:3] == (len(self.attn), 2, self.kv_heads)
+                and kv.shape[4] == self.head_dim)
+
+    def _chunks(self, seq: int, cache: Any, attention_kwargs: dict):
+        """What ``mixed_layers`` computes the pass as, where it computes it as :meth:`layer`
+        would: ``(mixed step or None, [(length, past, buffer)], bf16 attention)``. A mixed
+        pass whose chunks all have ``into`` and attend through the prefill kernel, its
+        decode rows reading and writing the pool in place; a prefill pass (the prefill
+        kernel's ``PrefillSpan``) of one row with ``into`` or of rows with no past (each
+        given a buffer of its own, ``PrefillCollector.owned``). Else None."""
+        kwargs = set(attention_kwargs)
+        if self.one_scale is None:
             return None
-        step, pool = cache.step, cache.layers
+        if isinstance(cache, MixedCacheView) and kwargs == {"mixed_step"}:
+            step = cache.step
+            if (not step.prefill_kernel or not all(map(self._takes, cache.into))
+                    or (step.rows and not (step.decode.inplace and step.kv_kernel))):
+                return None
+            return step, list(zip(step.chunk_lens, step.past_lens, cache.into, strict=True)), \
+                step.prefill_bf16
+        if not isinstance(cache, PrefillCollector) or kwargs != {"prefill_span"}:
+            return None
+        bf16 = attention_kwargs["prefill_span"].bf16
+        if cache.into is not None:
+            return (None, [(seq, cache.start, cache.into)], bf16) if self._takes(cache.into) \
+                else None
+        if cache.past is not None:
+            return None
+        rows = len(attention_kwargs["prefill_span"].starts)
+        cache.owned = [torch.empty((len(self.attn), 2, self.kv_heads, seq, self.head_dim))
+                       for _ in range(rows)]
+        return None, [(seq, 0, kv) for kv in cache.owned], bf16
+
+    def _table_for(self, cache: Any) -> ctypes.Array:
+        """The pointer table (``fused_decode.pointer_table``) for ``cache``'s pool, or for
+        no pool (a prefill pass, maybe on another lane's thread): each kept for the next."""
+        if not isinstance(cache, MixedCacheView):
+            if self._no_pool is None:
+                self._no_pool = pointer_table(self.weights, None)
+            return self._no_pool
+        held = self._table
+        if held is None or held[0] is not cache.layers:
+            held = self._table = (cache.layers, pointer_table(self.weights, cache))
+        return held[1]
+
+    def pass_call(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                  cache: Any, attention_kwargs: dict):
+        """A function running the pass's layers ``[first, first + n)`` in one kernel call
+        (``mixed_layers``, prefill_layer.c: the calls :meth:`layer` and the cache view
+        make, in their order, without the Python between them) on ``hidden`` [B, S, H]
+        (contiguous float32, updated in place), or None for a pass it does not take
+        (:meth:`_chunks`; the caller runs :meth:`layer` for each layer)."""
         bsz, seq, h = hidden.shape
+        spec = self._chunks(seq, cache, attention_kwargs) if hidden.is_contiguous() else None
+        if spec is None:
+            return None
+        step, chunks, bf16 = spec
         m, nq, nkv = bsz * seq, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        x, (cos, sin) = hidden.contiguous(), rotary
-        assert_kernel_tensors(hidden=(x, torch.float32), cos=(cos, torch.float32),
+        cos, sin = rotary
+        assert_kernel_tensors(hidden=(hidden, torch.float32), cos=(cos, torch.float32),
                               sin=(sin, torch.float32))
         assert h == self.hidden and cos.shape == sin.shape == (m, self.head_dim)
-        if self._table is None or self._table[0] is not pool:
-            self._table = (pool, pointer_table(self.weights, cache))
+        rows, decode = (step.rows, step.decode) if step is not None else (0, None)
         write = read = offsets = None
-        if step.rows:
-            (write,), (read,) = step.decode.write_slots.values(), step.decode.read_slots.values()
-            offsets = step.decode.offsets
+        if rows:
+            (write,), (read,) = decode.write_slots.values(), decode.read_slots.values()
+            offsets = decode.offsets
             assert_kernel_tensors(write=(write, torch.long), read=(read, torch.long),
                                   offsets=(offsets, torch.long))
-            assert write.numel() == step.rows and offsets.numel() == step.rows + 1
-        into = cache.into
+            assert write.numel() == rows and offsets.numel() == rows + 1
         lens, pasts, rooms = (torch.tensor(v, dtype=torch.long) for v in (
-            step.chunk_lens, step.past_lens, [t.shape[3] for t in into]))
-        buffers = [self._buffer(name, (m, n)) for name, n in (
-            ("xn", h), ("qkv", nq + 2 * nkv), ("att", nq), ("scratch", h + 3 * self.inter))]
-        check(self._lib.mixed_layers(
-            x.data_ptr(), m, len(self.attn), self._table[1], h, self.heads, self.kv_heads,
-            self.head_dim, self.inter, cos.data_ptr(), sin.data_ptr(), self.eps,
-            float(self.one_scale), step.rows, _ptr(write), _ptr(read),
-            0 if read is None else read.numel(), _ptr(offsets), pool[0].shape[1],
-            pool[0].dtype == torch.bfloat16, len(into), lens.data_ptr(), pasts.data_ptr(),
-            rooms.data_ptr(), (ctypes.c_void_p * len(into))(*(t.data_ptr() for t in into)),
-            step.prefill_bf16, self.wtype, *(b.data_ptr() for b in buffers),
-            torch.get_num_threads()), "mixed_layers")
-        return x.view(bsz, seq, h)
+            [c[0] for c in chunks], [c[1] for c in chunks], [c[2].shape[3] for c in chunks]))
+        into = (ctypes.c_void_p * len(chunks))(*(c[2].data_ptr() for c in chunks))
+        pool = cache.layers[0] if rows else None
+        args = (h, self.heads, self.kv_heads, self.head_dim, self.inter, cos.data_ptr(),
+                sin.data_ptr(), self.eps, float(self.one_scale), rows, _ptr(write), _ptr(read),
+                0 if read is None else read.numel(), _ptr(offsets),
+                0 if pool is None else pool.shape[1],
+                pool is not None and pool.dtype == torch.bfloat16, len(chunks),
+                lens.data_ptr(), pasts.data_ptr(), rooms.data_ptr(), into, bf16, self.wtype)
+        table = self._table_for(cache)
+
+        def run(first: int, n: int) -> None:
+            # the calling thread's buffers (a pass's layers may run on other threads)
+            buffers = [self._buffer(name, (m, k)).data_ptr() for name, k in (
+                ("xn", h), ("qkv", nq + 2 * nkv), ("att", nq), ("scratch", h + 3 * self.inter))]
+            # what the call reads, held until it returns
+            keep = (lens, pasts, rooms, cos, sin, write, read, offsets, chunks)  # noqa: F841
+            check(self._lib.mixed_layers(hidden.data_ptr(), m, first, n, table, *args,
+                                         *buffers, torch.get_num_threads()), "mixed_layers")
+        return run
+
+    def run_layers(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                   mask: torch.Tensor | None, cache: Any, **attention_kwargs: Any
+                   ) -> Generator[int, None, torch.Tensor]:
+        """Every layer over ``hidden`` (the model's rotary module's ``cos_sin``), yielding
+        after each (layers done so far; a mixed pass, run to its end by its caller: once,
+        after all), in one kernel call a layer (:meth:`pass_call`) or a mixed pass's all
+        where it can, else through :meth:`layer`; returns the last layer's output."""
+        rotary = self.rotary(cos_sin)
+        hidden = hidden.contiguous()
+        run, n = self.pass_call(hidden, rotary, cache, attention_kwargs), len(self.attn)
+        if run is not None:
+            every = n if "mixed_step" in attention_kwargs else 1
+            for first in range(0, n, every):
+                run(first, every)
+                yield first + every
+            return hidden
+        for index in range(n):
+            hidden = self.layer(index, hidden, rotary, mask, cache, **attention_kwargs)
+            yield index + 1
+        return hidden

@@ -206,15 +206,8 @@ class ModelRunner:
             cos_sin = self.rotary_emb(hidden, position_ids)
         fused = self.fused_layers
         if fused is not None and not self.multi_device and fused.serves(hidden):
-            rotary = fused.rotary(cos_sin)
-            whole = fused.mixed_pass(hidden, rotary, cache, attention_kwargs)
-            if whole is not None:  # every layer in one call
-                yield len(self.layers)
-                return whole
-            for index in range(len(self.layers)):
-                hidden = fused.layer(index, hidden, rotary, mask, cache, **attention_kwargs)
-                yield index + 1
-            return hidden
+            return (yield from fused.run_layers(hidden, cos_sin, mask, cache,
+                                                **attention_kwargs))
         for index, (layer, device) in enumerate(zip(self.layers, self.layer_devices,
                                                     strict=True)):
             if self.multi_device and hidden.device != device:
@@ -246,8 +239,7 @@ class ModelRunner:
                         past: list[torch.Tensor | None] | None = None,
                         into: torch.Tensor | None = None,
                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run prompts (or the next chunks of prompts) of any lengths as one right-padded batch
-        (:meth:`prefill_layers` to the end, under the runner's lock)."""
+        """:meth:`prefill_layers` to the end, under the runner's lock."""
         steps = self.prefill_layers(prompts, past, into)
         with self.lock:
             return _to_the_end(steps)
@@ -354,10 +346,10 @@ class ModelRunner:
 
         ``into[i]`` (a chunk of a prompt of several): the prompt's KV, ``[layers, 2,
         kv_heads, N, head_dim]`` in the runner's dtype, its first ``past[i].shape[3]``
-        positions filled (``past[i]`` is the view of them, maybe empty) and room for the chunk: the
-        chunk's keys/values are written there and it attends over a view of it, as
-        :meth:`forward_prefill`'s ``into`` (no past + chunk concatenation a layer, no copy
-        of the chunk afterwards).
+        positions filled (``past[i]``, their view, maybe empty) and room for the chunk: the
+        chunk's keys/values are written there and it attends over a view of it (no past +
+        chunk concatenation a layer, no copy of the chunk afterwards). With the fused layers,
+        a chunk with neither gets a buffer of its own (``FusedLayers.own_buffers``).
 
         Returns the decode rows' logits [B, V], each chunk's logits at its last token
         [C, V] (float32) and each chunk's KV ``[layers, 2, kv_heads, len_i, head_dim]``
@@ -368,11 +360,12 @@ class ModelRunner:
         assert len(positions) == bsz == len(tables) and chunks and all(chunks)
         for table, pos in zip(tables, positions, strict=True):
             assert pos < len(table) * cache.block_size, f"position {pos} has no block"
-        past = past or [None] * len(chunks)
-        into = into or [None] * len(chunks)
+        lens = [len(c) for c in chunks]
+        past, into = list(past or [None] * len(chunks)), list(into or [None] * len(chunks))
+        owned = (self.fused_layers.own_buffers(lens, past, into)  # one call (pass_call)
+                 if self.fused_layers and self.prefill_kernel and self.inplace_attention else ())
         assert all(w is None or (p is not None and w.dtype == self.dtype)
                    for p, w in zip(past, into, strict=True))
-        lens = [len(c) for c in chunks]
         starts = [0 if p is None else p.shape[3] for p in past]
         ids = list(token_ids) + [t for c in chunks for t in c]
         pos = list(positions) + [s + i for s, n in zip(starts, lens, strict=True)
@@ -396,4 +389,5 @@ class ModelRunner:
             hidden = self._layers_forward(hidden, pos_t, None, view, mixed_step=step)
             logits = self._logits(hidden[0, rows.to(hidden.device)])  # [B + C, V]
             kvs = view.chunk_kvs(self.layout, self.kv_dtype, self.kv_device)
+        kvs = [kv.to(self.kv_dtype) if i in owned else kv for i, kv in enumerate(kvs)]
         return logits[:bsz], logits[bsz:], kvs

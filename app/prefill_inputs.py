@@ -30,6 +30,9 @@ class PrefillCollector:
         # whether the layers' keys/values are read after the layer (``row_kvs``): with
         # ``into`` they are copied there at once, so the caller may hand views of a buffer
         self.keeps_kv = into is None
+        # a pass in one kernel call without past or into: each row's KV written into a buffer
+        # of its own, float32 [layers, 2, kv_heads, S, head_dim] (FusedLayers.pass_call)
+        self.owned: list[torch.Tensor] | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [B, kv_heads, S, head_dim]
@@ -53,6 +56,9 @@ class PrefillCollector:
         (contiguous, ``dtype``, on ``device``); with ``into``, the view of it that holds them."""
         if self.into is not None:
             return [self.into[:, :, :, self.start : self.start + lens[0]]]
+        if self.owned is not None:
+            return [kv[:, :, :, :n].to(device, dtype).contiguous()
+                    for kv, n in zip(self.owned, lens, strict=True)]
         kvs = []
         for i, n in enumerate(lens):
             kv = torch.empty((layout.num_layers, 2, layout.num_kv_heads, n, layout.head_dim),

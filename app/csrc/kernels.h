@@ -88,8 +88,8 @@ int layer_mlp(float *hidden, long m, long hsize, const float *att, long nq, cons
               const void *gate_up, const float *gate_up_scale, const float *gate_up_bias,
               long inter, const void *down, const float *down_scale, const float *down_bias,
               int wtype, float *scratch, int threads);
-int mixed_layers(float *hidden, long m, long n_layers, void *const *ptrs, long hsize,
-                 long heads, long kv_heads, long hd, long inter, const float *cos,
+int mixed_layers(float *hidden, long m, long first, long n_layers, void *const *ptrs,
+                 long hsize, long heads, long kv_heads, long hd, long inter, const float *cos,
                  const float *sin, float eps, float scale, long rows, const long *write,
                  const long *read, long nread, const long *offsets, long slots, int kv_bf16,
                  long chunks, const long *lens, const long *pasts, const long *rooms,

@@ -167,34 +167,34 @@ int layer_mlp(float *hidden, long m, long hsize, const float *att, long nq, cons
     return mlp_rows(&j, 0, m, threads, m >= PARALLEL_ROWS ? threads : 1);
 }
 
-/* Every layer of a mixed pass in one call: the decode rows and prompt chunks of
- * app.attention.MixedStep, each chunk written into its prompt's KV so far (`into`), as the
- * Python layer loop (app.fused_layers.FusedLayers.layer, app.attention.MixedCacheView and
- * its attention groups) runs them, call for call: layer_qkv; the decode rows' keys and
- * values into their pool slots and each chunk's into its prompt's KV (kv_store_rows); the
- * decode rows' attention over the pool in place (paged_decode_attention); each chunk's over
- * its past and itself (prefill_attention, or prefill_attention_bf16 where attn_bf16);
- * layer_mlp. The same kernels in the same order, so the pass's values are the loop's, bit
- * for bit; what goes is the loop's Python between them (about 0.6 ms a layer, during which
- * the OpenMP team waits).
+/* Layers [first, first + n_layers) of a mixed or prefill pass in one call: the decode rows
+ * and prompt chunks of app.attention.MixedStep (a prefill pass: chunks only, a row each),
+ * each chunk written into its prompt's KV so far (`into`), as the Python layer loop
+ * (app.fused_layers.FusedLayers.layer, the cache views and the attention groups) runs them,
+ * call for call: layer_qkv; the decode rows' keys and values into their pool slots and each
+ * chunk's into its prompt's KV (kv_store_rows); the decode rows' attention over the pool in
+ * place (paged_decode_attention); each chunk's over its past and itself (prefill_attention,
+ * or prefill_attention_bf16 where attn_bf16); layer_mlp. The same kernels in the same
+ * order, so the pass's values are the loop's, bit for bit; what goes is the loop's Python
+ * between them (about 0.6 ms a layer, during which the OpenMP team waits).
  *
  * hidden [m, hsize] (updated in place), m = rows + the chunks' lengths, decode rows first;
- * ptrs: decode_step.c's per-layer table (its pool pointers read only when rows > 0);
- * write/read/offsets/slots/kv_bf16: the decode rows' slots, as decode_step; chunk c has
- * lens[c] tokens at positions pasts[c].., its prompt's KV at into[c], float32
- * [n_layers][2][kv_heads][rooms[c]][hd], positions [0, pasts[c]) filled. xn [m, hsize],
+ * ptrs: decode_step.c's per-layer table from layer 0 (the pool pointers read only when
+ * rows > 0); write/read/offsets/slots/kv_bf16: the decode rows' slots, as decode_step;
+ * chunk c: lens[c] tokens at positions pasts[c].., its prompt's KV at into[c], float32
+ * [layers][2][kv_heads][rooms[c]][hd], positions [0, pasts[c]) filled. xn [m, hsize],
  * qkv [m, nq + 2 nkv], att [m, nq], scratch [m, hsize + 3 inter]: the caller's buffers. */
-int mixed_layers(float *hidden, long m, long n_layers, void *const *ptrs, long hsize,
-                 long heads, long kv_heads, long hd, long inter, const float *cos,
+int mixed_layers(float *hidden, long m, long first, long n_layers, void *const *ptrs,
+                 long hsize, long heads, long kv_heads, long hd, long inter, const float *cos,
                  const float *sin, float eps, float scale, long rows, const long *write,
                  const long *read, long nread, const long *offsets, long slots, int kv_bf16,
                  long chunks, const long *lens, const long *pasts, const long *rooms,
                  float *const *into, int attn_bf16, int wtype, float *xn, float *qkv,
                  float *att, float *scratch, int threads) {
-    if (m < 1 || n_layers < 0 || rows < 0 || chunks < 0 || heads < 1 || kv_heads < 1
-        || heads % kv_heads || hd < 1 || threads < 1 || ptrs == NULL || xn == NULL
-        || qkv == NULL || att == NULL || scratch == NULL || (chunks > 0 && (lens == NULL
-        || pasts == NULL || rooms == NULL || into == NULL)))
+    if (m < 1 || first < 0 || n_layers < 0 || rows < 0 || chunks < 0 || heads < 1
+        || kv_heads < 1 || heads % kv_heads || hd < 1 || threads < 1 || ptrs == NULL
+        || xn == NULL || qkv == NULL || att == NULL || scratch == NULL
+        || (chunks > 0 && (lens == NULL || pasts == NULL || rooms == NULL || into == NULL)))
         return SK_BAD_SHAPE;
     long total = rows;
     for (long c = 0; c < chunks; c++) {
@@ -211,7 +211,7 @@ int mixed_layers(float *hidden, long m, long n_layers, void *const *ptrs, long h
     float *q = rows > 0 ? malloc(sizeof(float) * (size_t)(rows * nq)) : NULL;
     if (rows > 0 && q == NULL) return SK_NO_MEMORY;
     int rc = SK_OK;
-    for (long l = 0; l < n_layers && rc == SK_OK; l++) {
+    for (long l = first; l < first + n_layers && rc == SK_OK; l++) {
         void *const *w = ptrs + l * LAYER_PTRS;
         rc = layer_qkv(hidden, m, hsize, w[IN_NORM], eps, w[QKV], wtype, w[QKV_SCALE],
                        w[QKV_BIAS], heads, kv_heads, hd, cos, sin, xn, qkv, threads);

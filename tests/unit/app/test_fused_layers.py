@@ -119,10 +119,19 @@ def test_a_mixed_pass_gives_what_the_models_modules_give():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def _counting_layers(monkeypatch) -> list:
+    """The calls of ``FusedLayers.layer`` (the layer loop's) from here on."""
+    calls: list = []
+    layer = FusedLayers.layer
+    monkeypatch.setattr(FusedLayers, "layer", lambda *a, **kw: calls.append(1) or layer(*a, **kw))
+    return calls
+
+
 def _mixed_one_call_run(runner, decode_rows: int, calls: list):
     """A mixed pass of ``decode_rows`` decode rows, a document's later chunk and a fresh
-    prompt's chunk, both written into their prompts' KV (``into``): the pass's logits, the
-    two buffers and the decode rows' KV after it (``calls``: emptied as the pass starts)."""
+    prompt's chunk written into their prompts' KV (``into``), and a short prompt with
+    neither: the pass's logits, the two buffers, the short prompt's KV and the decode rows'
+    KV after it (``calls``: emptied as the pass starts)."""
     lengths = [9, 30][:decode_rows]
     cache = runner.make_kv_cache(16, 4)
     tables = [list(range(0, 4)), list(range(4, 12))][:decode_rows]
@@ -137,59 +146,113 @@ def _mixed_one_call_run(runner, decode_rows: int, calls: list):
     fresh = torch.full((*past.shape[:3], 13, past.shape[4]), float("nan"))
     calls.clear()
     dec, logits, kvs = runner.forward_mixed(
-        cache, tables, [4, 5][:decode_rows], lengths, [doc[21:40], list(range(60, 73))],
-        [whole[:, :, :, :21], fresh[:, :, :, :0]], [whole, fresh])
+        cache, tables, [4, 5][:decode_rows], lengths,
+        [doc[21:40], list(range(60, 73)), list(range(80, 87))],
+        [whole[:, :, :, :21], fresh[:, :, :, :0], None], [whole, fresh, None])
     assert kvs[0].data_ptr() == whole[:, :, :, 21:].data_ptr()
-    return dec, logits, whole, fresh, [cache.read(t, n + 1)
-                                       for t, n in zip(tables, lengths, strict=True)]
+    assert kvs[2].dtype == runner.kv_dtype and kvs[2].is_contiguous()
+    return dec, logits, whole, fresh, kvs[2], [
+        cache.read(t, n + 1) for t, n in zip(tables, lengths, strict=True)]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("decode_rows", [2, 0])
-@pytest.mark.parametrize(("weights", "kv_dtype"), [
-    ("float32", None), ("float32", "bfloat16"),
-    pytest.param("bfloat16dp", "bfloat16", marks=pytest.mark.skipif(
-        cpu_kernels.kernel_unavailable() is not None or not cpu_kernels.load_kernel()
-        .panel_has_avx512bf16(), reason="the CPU has no AVX512-BF16"))])
-def test_a_mixed_pass_in_one_call_gives_the_bits_of_the_layer_loop(monkeypatch, threads,
-                                                                    decode_rows, weights,
-                                                                    kv_dtype):
-    """Chunks written into their prompts' KV beside decode rows over the pool: every layer in
-    one kernel call (mixed_layers) gives the same bits as the layer-by-layer loop: logits,
-    the chunks' KV in their buffers, the decode rows' keys and values in the pool."""
+BF16DP = pytest.mark.skipif(
+    cpu_kernels.kernel_unavailable() is not None
+    or not cpu_kernels.load_kernel().panel_has_avx512bf16(),
+    reason="the CPU has no AVX512-BF16")
+KINDS = [("float32", None), ("float32", "bfloat16"),
+         pytest.param("bfloat16dp", "bfloat16", marks=BF16DP)]
+
+
+def _kind_runner(weights: str, kv_dtype: str | None) -> ModelRunner:
     model = make_tiny_model(seed=4)
     pack_linears(model, layout="panels", weights=weights)
     runner = ModelRunner(model, EngineConfig(kv_dtype=kv_dtype))
     assert runner.prefill_bf16 == (weights == "bfloat16dp")
-    calls = []
-    layer = FusedLayers.layer
-    monkeypatch.setattr(FusedLayers, "layer", lambda *a, **kw: calls.append(1) or layer(*a, **kw))
+    return runner
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("decode_rows", [2, 0])
+@pytest.mark.parametrize(("weights", "kv_dtype"), KINDS)
+def test_a_mixed_pass_in_one_call_gives_the_bits_of_the_layer_loop(monkeypatch, threads,
+                                                                    decode_rows, weights,
+                                                                    kv_dtype):
+    """Chunks written into their prompts' KV (or a buffer of their own) beside decode rows
+    over the pool: every layer in one kernel call (mixed_layers) gives the same bits as the
+    layer-by-layer loop: logits, the chunks' KV, the decode rows' keys and values."""
+    runner = _kind_runner(weights, kv_dtype)
+    calls = _counting_layers(monkeypatch)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         one = _mixed_one_call_run(runner, decode_rows, calls)
         assert calls == []  # no layer through Python
-        monkeypatch.setattr(FusedLayers, "mixed_pass", lambda *a, **kw: None)
+        monkeypatch.setattr(FusedLayers, "pass_call", lambda *a, **kw: None)
         loop = _mixed_one_call_run(runner, decode_rows, calls)
-        assert len(calls) == model.config.num_hidden_layers
+        assert len(calls) == runner.model.config.num_hidden_layers
     finally:
         torch.set_num_threads(before)
-    for got, want in zip([*one[:4], *one[4]], [*loop[:4], *loop[4]], strict=True):
+    for got, want in zip([*one[:5], *one[5]], [*loop[:5], *loop[5]], strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # the same bits
     assert one[2][:, :, :, 40:].isnan().all()  # nothing written past the chunk
     assert not one[2][:, :, :, :40].isnan().any() and not one[3].isnan().any()
 
 
-def test_a_mixed_pass_with_a_chunk_kept_aside_runs_the_layer_loop(monkeypatch):
-    """A chunk without ``into`` (its KV kept per layer, as a fresh short prompt's is): the
-    pass is not one call; its layers run one by one."""
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("weights", "kv_dtype"), KINDS)
+def test_a_prefill_pass_in_one_call_a_layer_gives_the_bits_of_the_layer_loop(
+        monkeypatch, threads, weights, kv_dtype):
+    """Rows of different lengths without a past (each row's KV into a buffer of its own),
+    and one row continuing its prompt into its KV so far: one kernel call a layer, still
+    yielding after each layer (a pass pauses between layers), the same bits as the loop."""
+    runner = _kind_runner(weights, kv_dtype)
+    calls = _counting_layers(monkeypatch)
+    prompts = [[5, 9, 33, 100, 7], list(range(40, 110)), [8]]
+    _, [past] = runner.forward_prefill([list(range(300, 330))])
+
+    def run():
+        whole = torch.full((*past.shape[:3], 45, past.shape[4]), float("nan"))
+        whole[:, :, :, :30] = past
+        steps = runner.prefill_layers(prompts)
+        done = []
+        try:
+            while True:
+                done.append(next(steps))
+        except StopIteration as end:
+            logits, kvs = end.value
+        chunk = runner.forward_prefill([list(range(330, 345))], [whole[:, :, :, :30]], whole)
+        return done, logits, kvs, chunk[0], whole
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        calls.clear()
+        one = run()
+        assert calls == []
+        monkeypatch.setattr(FusedLayers, "pass_call", lambda *a, **kw: None)
+        loop = run()
+        assert len(calls) == 2 * runner.model.config.num_hidden_layers
+    finally:
+        torch.set_num_threads(before)
+    assert one[0] == loop[0] == list(range(1, runner.model.config.num_hidden_layers + 1))
+    for got, want in zip([one[1], *one[2], one[3], one[4]], [loop[1], *loop[2], loop[3], loop[4]],
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert all(kv.dtype == runner.kv_dtype and kv.is_contiguous() for kv in one[2])
+    assert [kv.shape[3] for kv in one[2]] == [len(p) for p in prompts]
+
+
+def test_a_pass_over_a_past_without_its_buffer_runs_the_layer_loop(monkeypatch):
+    """Rows continuing a past handed as a copy (a cached prefix, several rows): the layers
+    run one by one, through the model's cache view."""
     runner = _runner(True)
-    calls = []
-    layer = FusedLayers.layer
-    monkeypatch.setattr(FusedLayers, "layer", lambda *a, **kw: calls.append(1) or layer(*a, **kw))
-    cache = runner.make_kv_cache(8, 4)
+    calls = _counting_layers(monkeypatch)
+    _, pasts = runner.forward_prefill([list(range(30, 40)), list(range(50, 54))])
     calls.clear()
-    runner.forward_mixed(cache, [], [], [], [list(range(30, 40))])
+    runner.forward_prefill([[7, 8], [9]], pasts)
+    assert len(calls) == runner.model.config.num_hidden_layers
+    calls.clear()
+    runner.forward_mixed(runner.make_kv_cache(8, 4), [], [], [], [[7, 8]], [pasts[0]])
     assert len(calls) == runner.model.config.num_hidden_layers
 
 

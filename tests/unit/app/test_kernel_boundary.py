@@ -126,7 +126,7 @@ FUZZ = textwrap.dedent("""
     table, intos = (ctypes.c_void_p * 16)(), (ctypes.c_void_p * 1)(P(into))
     def mixed(m=3, chunk=2, past=0, rows=1, write=L(1), read=L(1), offsets=L(0, 1)):
         lens, pasts, rooms = L(chunk), L(past), L(8)
-        return lib.mixed_layers(P(hid), m, 1, table, 32, 2, 2, 16, 64, P(buf), P(buf), 1e-5,
+        return lib.mixed_layers(P(hid), m, 0, 1, table, 32, 2, 2, 16, 64, P(buf), P(buf), 1e-5,
             0.25, rows, P(write), P(read), read.numel(), P(offsets), 4, 0, 1, P(lens),
             P(pasts), P(rooms), intos, 0, 0, P(buf), P(buf), P(buf), P(buf), 2)
     cases.update({
@@ -138,6 +138,10 @@ FUZZ = textwrap.dedent("""
         "mixed read past the pool": (mixed(read=L(9)), -7),
         "mixed offsets past read": (mixed(offsets=L(0, 2)), -8),
     })
+    first = lib.mixed_layers(P(hid), 3, -1, 1, table, 32, 2, 2, 16, 64, P(buf), P(buf), 1e-5,
+        0.25, 0, None, None, 0, None, 4, 0, 1, P(L(3)), P(L(0)), P(L(8)), intos, 0, 0,
+        P(buf), P(buf), P(buf), P(buf), 2)
+    cases["mixed negative first layer"] = (first, -3)
     assert (hid == 1).all() and (into == 7.0).all()  # refused: nothing written
     bad = {name: got for name, (got, want) in cases.items() if got != want}
     assert not bad, bad
