@@ -159,8 +159,12 @@ BF16DP = pytest.mark.skipif(
     cpu_kernels.kernel_unavailable() is not None
     or not cpu_kernels.load_kernel().panel_has_avx512bf16(),
     reason="the CPU has no AVX512-BF16")
-KINDS = [("float32", None), ("float32", "bfloat16"),
-         pytest.param("bfloat16dp", "bfloat16", marks=BF16DP)]
+VNNI = pytest.mark.skipif(
+    cpu_kernels.kernel_unavailable() is not None
+    or not cpu_kernels.load_kernel().panel_has_avx512vnni(), reason="the CPU has no AVX512-VNNI")
+KINDS = [("float32", None), ("float32", "bfloat16"), ("int8", "bfloat16"),
+         pytest.param("bfloat16dp", "bfloat16", marks=BF16DP),
+         pytest.param("int8dp", "bfloat16", marks=VNNI)]
 
 
 def _kind_runner(weights: str, kv_dtype: str | None) -> ModelRunner:
