@@ -164,23 +164,41 @@ class RotaryTable:
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
-def pointer_table(weights: list[list[torch.Tensor | None]], cache: PagedKVCache | None
-                  ) -> ctypes.Array:
-    """decode_step.c's per-layer pointer table (``decode_step``, ``mixed_layers``): each
-    layer's ``weights`` (:func:`layer_weights`) and then its pool's keys and values in
-    ``cache`` (None: NULL, for passes without decode rows). It points into those tensors:
-    the caller holds them while it is used."""
-    ptrs: list[int | None] = []
-    for index, layer in enumerate(weights):
-        ptrs += [None if t is None else t.data_ptr() for t in layer]
-        if cache is None:
-            ptrs += [None, None]
-            continue
-        pool = cache.layers[index]  # [2, slots, kv_heads, head_dim]
-        assert pool.is_contiguous() and pool.dtype in (torch.float32, torch.bfloat16)
-        assert pool.shape == cache.layers[0].shape  # one slot count for every layer
-        ptrs += [pool[0].data_ptr(), pool[1].data_ptr()]
-    return (ctypes.c_void_p * len(ptrs))(*ptrs)
+class PointerTables:
+    """decode_step.c's per-layer pointer tables (``decode_step``, ``mixed_layers``): each
+    layer's ``weights`` (:func:`layer_weights`) and then its pool's keys and values, for the
+    last pool asked for and for no pool (NULL: passes without decode rows), each kept for
+    the next call. A table points into those tensors: the caller holds them while it runs."""
+
+    def __init__(self, weights: list[list[torch.Tensor | None]]) -> None:
+        self.weights = weights
+        self._pool: tuple[list[torch.Tensor], ctypes.Array] | None = None
+        self._no_pool: ctypes.Array | None = None
+
+    def _build(self, pools: list[torch.Tensor] | None) -> ctypes.Array:
+        ptrs: list[int | None] = []
+        for index, layer in enumerate(self.weights):
+            ptrs += [None if t is None else t.data_ptr() for t in layer]
+            if pools is None:
+                ptrs += [None, None]
+                continue
+            pool = pools[index]  # [2, slots, kv_heads, head_dim]
+            assert pool.is_contiguous() and pool.dtype in (torch.float32, torch.bfloat16)
+            assert pool.shape == pools[0].shape  # one slot count for every layer
+            ptrs += [pool[0].data_ptr(), pool[1].data_ptr()]
+        return (ctypes.c_void_p * len(ptrs))(*ptrs)
+
+    def get(self, pools: list[torch.Tensor] | None) -> ctypes.Array:
+        """The table for ``pools`` (a ``PagedKVCache``'s ``layers``), or for no pool (None);
+        safe from several threads (a prefill lane's passes run on their own)."""
+        if pools is None:
+            if self._no_pool is None:
+                self._no_pool = self._build(None)
+            return self._no_pool
+        held = self._pool
+        if held is None or held[0] is not pools:
+            held = self._pool = (pools, self._build(pools))
+        return held[1]
 
 
 class FusedDecode:
@@ -208,8 +226,7 @@ class FusedDecode:
         # (its last two); held here: the table points into them
         self._weights = layer_weights(model) if weights is None else weights
         assert self._lib.decode_step_layer_ptrs() == len(self._weights[0]) + 2
-        self._table: ctypes.Array | None = None
-        self._table_cache: PagedKVCache | None = None
+        self._tables = PointerTables(self._weights)
         self._rotary = model.model.rotary_emb
         # the module's dtype: the embeddings' (what the step's hidden states come in)
         self._rotary_table = RotaryTable.for_module(
@@ -223,12 +240,6 @@ class FusedDecode:
             return self._rotary_table.rows(positions[:, 0])
         cos, sin = self._rotary(hidden, positions)
         return cos[:, 0], sin[:, 0]
-
-    def _pointers(self, cache: PagedKVCache) -> ctypes.Array:
-        """The pointer table for ``cache``'s pool (built once per pool)."""
-        if self._table_cache is not cache:
-            self._table, self._table_cache = pointer_table(self._weights, cache), cache
-        return self._table
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  cache: PagedKVCache, step: PagedDecodeStep) -> torch.Tensor:
@@ -249,7 +260,7 @@ class FusedDecode:
         slots = cache.layers[0].shape[1]  # [2, slots, kv_heads, head_dim]
         head_bias = self.lm_head._bias
         rc = self._lib.decode_step(
-            hidden.data_ptr(), bsz, self.num_layers, self._pointers(cache), self.hidden,
+            hidden.data_ptr(), bsz, self.num_layers, self._tables.get(cache.layers), self.hidden,
             self.heads, self.kv_heads, self.head_dim, self.inter, cos.data_ptr(),
             sin.data_ptr(), self.eps, self.scale, write.data_ptr(), read.data_ptr(),
             read.numel(), step.offsets.data_ptr(), slots, self.final_norm.data_ptr(),

@@ -37,7 +37,7 @@ import torch
 
 from app.attention import MixedCacheView, paged_attention
 from app.cpu_kernels import WTYPES, assert_kernel_tensors, check, load_kernel
-from app.fused_decode import pointer_table
+from app.fused_decode import PointerTables
 from app.prefill_inputs import PrefillCollector
 
 # the per-layer table's entries (app.fused_decode.layer_weights, decode_step.c's order)
@@ -71,8 +71,7 @@ class FusedLayers:
         self.one_scale = (scales.pop() if len(scales) == 1 and None not in scales
                           and all(getattr(a, "sliding_window", None) is None for a in self.attn)
                           else None)
-        self._table: tuple[Any, ctypes.Array] | None = None  # (the pool, its pointer table)
-        self._no_pool: ctypes.Array | None = None  # the table for passes without decode rows
+        self._tables = PointerTables(weights)  # mixed_layers' pointer tables
 
     def _buffer(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
         """A float32 ``shape`` tensor for the layer's own use (its normalized rows, q/k/v,
@@ -152,9 +151,14 @@ class FusedLayers:
         owned = {i for i, (p, w) in enumerate(zip(past, into, strict=True))
                  if p is None and w is None}
         for i in owned:
-            into[i] = torch.empty((len(self.attn), 2, self.kv_heads, lens[i], self.head_dim))
+            into[i] = self._own_buffer(lens[i])
             past[i] = into[i][:, :, :, :0]
         return owned
+
+    def _own_buffer(self, n: int) -> torch.Tensor:
+        """A KV buffer for ``n`` positions, as ``mixed_layers`` writes it: float32 [layers,
+        2, kv_heads, n, head_dim]."""
+        return torch.empty((len(self.attn), 2, self.kv_heads, n, self.head_dim))
 
     def _takes(self, kv: torch.Tensor | None) -> bool:
         """A prompt's KV buffer laid out as ``mixed_layers`` reads it."""
@@ -188,21 +192,8 @@ class FusedLayers:
         if cache.past is not None:
             return None
         rows = len(attention_kwargs["prefill_span"].starts)
-        cache.owned = [torch.empty((len(self.attn), 2, self.kv_heads, seq, self.head_dim))
-                       for _ in range(rows)]
+        cache.owned = [self._own_buffer(seq) for _ in range(rows)]
         return None, [(seq, 0, kv) for kv in cache.owned], bf16
-
-    def _table_for(self, cache: Any) -> ctypes.Array:
-        """The pointer table (``fused_decode.pointer_table``) for ``cache``'s pool, or for
-        no pool (a prefill pass, maybe on another lane's thread): each kept for the next."""
-        if not isinstance(cache, MixedCacheView):
-            if self._no_pool is None:
-                self._no_pool = pointer_table(self.weights, None)
-            return self._no_pool
-        held = self._table
-        if held is None or held[0] is not cache.layers:
-            held = self._table = (cache.layers, pointer_table(self.weights, cache))
-        return held[1]
 
     def pass_call(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                   cache: Any, attention_kwargs: dict):
@@ -239,7 +230,7 @@ class FusedLayers:
                 0 if pool is None else pool.shape[1],
                 pool is not None and pool.dtype == torch.bfloat16, len(chunks),
                 lens.data_ptr(), pasts.data_ptr(), rooms.data_ptr(), into, bf16, self.wtype)
-        table = self._table_for(cache)
+        table = self._tables.get(cache.layers if rows else None)
 
         def run(first: int, n: int) -> None:
             # the calling thread's buffers (a pass's layers may run on other threads)

@@ -213,7 +213,6 @@ def store_rows(keys: torch.Tensor, values: torch.Tensor, dst_keys: torch.Tensor,
     return True
 
 
-
 def write_rows(keys: torch.Tensor, values: torch.Tensor, dst_keys: torch.Tensor,
                dst_values: torch.Tensor, slots: torch.Tensor | None = None,
                kernel: bool = False) -> None:
@@ -227,6 +226,7 @@ def write_rows(keys: torch.Tensor, values: torch.Tensor, dst_keys: torch.Tensor,
             dst[: src.shape[1]] = src.transpose(0, 1)
         else:
             dst[slots] = src.transpose(0, 1).to(dst.dtype)
+
 
 class SpareBuffers:
     """Large tensors one path makes and drops over and over (a chunked prompt's KV so far,
