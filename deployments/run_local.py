@@ -8,6 +8,12 @@ metrics for Prometheus on a fixed port.
 
     python -m deployments.run_local [--config serve_configs/local.yaml]
         [--dashboard-host 127.0.0.1] [--dashboard-port 8265] [--metrics-export-port 8080]
+        [--direct-ingress-port 30000]
+
+``--direct-ingress-port`` starts the head with Serve's direct ingress: the ingress replica
+serves HTTP itself on that port (the serve config's ``http_options.host``), so a streamed
+token skips the hop through Serve's proxy (which still answers on ``http_options.port``).
+It is Serve's cluster-wide mode, read when Ray starts, so it needs the head this starts.
 """
 
 from __future__ import annotations
@@ -53,6 +59,16 @@ def _dashboard_flags(host: str, port: int) -> list[str]:
               "status / config / deploy will not work", file=sys.stderr, flush=True)
         return ["--include-dashboard=false"]
     return ["--include-dashboard=true", f"--dashboard-host={host}", f"--dashboard-port={port}"]
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """What ``ray start`` needs in its environment for Serve's direct ingress with the
+    ingress replicas' HTTP ports from ``port`` on (one per replica on a node; 16 of room)."""
+    if not 0 < port <= 65535 - 15:
+        raise ValueError(f"direct ingress port must be in 1..{65535 - 15}, got {port}")
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 15)}
 
 
 def _phase_tags(config: dict) -> dict[str, float]:
@@ -108,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dashboard-port", type=int, default=8265)
     parser.add_argument("--metrics-export-port", type=int, default=8080,
                         help="the head's Prometheus endpoint (http://HOST:PORT/metrics)")
+    parser.add_argument("--direct-ingress-port", type=int, default=int(os.environ.get(
+        "SPLITSERVE_DIRECT_INGRESS_PORT", "0")), help="0: off; else Serve's direct "
+        "ingress, the ingress replica serving HTTP on this port (no proxy hop)")
     args = parser.parse_args(argv)
+    head_env = direct_ingress_env(args.direct_ingress_port) if args.direct_ingress_port else {}
     config = yaml.safe_load(Path(args.config).read_text())
     http = config.get("http_options") or {}
     host = http.get("host", "127.0.0.1")
@@ -117,19 +137,27 @@ def main(argv: list[str] | None = None) -> int:
         (config.get("applications") or [{}])[0].get("args") or {}).model_name
 
     started_ray = False
-    if not _cluster_reachable():
+    if _cluster_reachable():
+        if head_env:
+            print("a Ray cluster is already running: direct ingress is set when Ray starts, "
+                  "so stop it first (ray stop) or leave out --direct-ingress-port",
+                  file=sys.stderr)
+            return 2
+    else:
         tags = json.dumps(_phase_tags(config))
         cpus = str(max(4, os.cpu_count() or 1))
         print(f"starting a local Ray head with resources {tags}", flush=True)
         subprocess.run([_bin("ray"), "start", "--head", f"--resources={tags}",
                         f"--num-cpus={cpus}", f"--metrics-export-port={args.metrics_export_port}",
                         *_dashboard_flags(args.dashboard_host, args.dashboard_port),
-                        "--disable-usage-stats"], check=True)
+                        "--disable-usage-stats"], check=True, env=dict(os.environ, **head_env))
         started_ray = True
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     serve_proc = subprocess.Popen([_bin("serve"), "run", args.config], cwd=ROOT, env=env)
     try:
         if _wait_ready(url, serve_proc, args.ready_timeout):
+            if head_env:
+                url = f"{url.rsplit(':', 1)[0]}:{args.direct_ingress_port}"
             print(_banner(url, model), flush=True)
             if started_ray:
                 print(f"Ray dashboard: http://{args.dashboard_host}:{args.dashboard_port} "

@@ -28,7 +28,8 @@
 #
 # Knobs (environment): SERVERS ("vllm split"; add colocated for the baseline), OUT (results
 # folder, load_tests/results/peer-<time>), VLLM_PORT (8101), APP_PORT (8000: must match the
-# configs' http_options.port), APP_MODEL (smollm2-135m-instruct, the model id the app
+# configs' http_options.port; DIRECT_INGRESS_PORT, when set, instead: Serve's direct ingress,
+# load_tests/serve_local.sh), APP_MODEL (smollm2-135m-instruct, the model id the app
 # serves), VLLM_ARGS (extra `vllm serve` arguments, e.g. "--dtype bfloat16"),
 # VLLM_READY_TIMEOUT (1800 s: vLLM's first start compiles, 2-6 min on an idle machine, far
 # longer on a loaded one), BENCH_TIMEOUT (1800 s per client run), PY (.venv/bin/python),
@@ -67,7 +68,7 @@ source load_tests/peer_env.sh
 check_peer
 
 VLLM_PORT=${VLLM_PORT:-8101}
-APP_PORT=${APP_PORT:-8000}
+APP_PORT=${DIRECT_INGRESS_PORT:-${APP_PORT:-8000}}  # Serve's direct ingress: the client calls the replica
 APP_MODEL=${APP_MODEL:-smollm2-135m-instruct}
 VLLM_READY_TIMEOUT=${VLLM_READY_TIMEOUT:-1800}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-1800}

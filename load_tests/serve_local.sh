@@ -27,8 +27,16 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# DIRECT_INGRESS_PORT (unset: through Serve's proxy): the head starts with Serve's direct
+# ingress, the ingress replica serving HTTP on that port (deployments/run_local.py's
+# direct_ingress_env); the caller points URL at it
 start_head() {
-  "$BIN/ray" start --head --resources='{"prefill_accel": 2, "decode_accel": 2}' --num-cpus 4 \
+  local env=()
+  if [ -n "${DIRECT_INGRESS_PORT:-}" ]; then
+    env=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT="$DIRECT_INGRESS_PORT"
+         RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=$((DIRECT_INGRESS_PORT + 15)))
+  fi
+  env "${env[@]}" "$BIN/ray" start --head --resources='{"prefill_accel": 2, "decode_accel": 2}' --num-cpus 4 \
     --include-dashboard=false --disable-usage-stats >"$OUT/ray-start.log" 2>&1
 }
 
