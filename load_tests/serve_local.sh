@@ -33,8 +33,10 @@ trap cleanup EXIT
 start_head() {
   local env=()
   if [ -n "${DIRECT_INGRESS_PORT:-}" ]; then
-    env=(RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT="$DIRECT_INGRESS_PORT"
-         RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=$((DIRECT_INGRESS_PORT + 15)))
+    # shellcheck disable=SC2207  # NAME=VALUE words without spaces
+    env=($("$PY" -c 'import sys; from deployments.run_local import direct_ingress_env
+print(" ".join(f"{k}={v}" for k, v in direct_ingress_env(int(sys.argv[1])).items()))' \
+      "$DIRECT_INGRESS_PORT")) || return 1
   fi
   env "${env[@]}" "$BIN/ray" start --head --resources='{"prefill_accel": 2, "decode_accel": 2}' --num-cpus 4 \
     --include-dashboard=false --disable-usage-stats >"$OUT/ray-start.log" 2>&1
