@@ -47,10 +47,11 @@ class DecodeServer(DecodeReplica):
         return package
 
     async def generate_local(self, req: PrefillRequest, feed: str | None = None,
-                             ) -> AsyncIterator[Any]:
+                             on_replica: str | None = None) -> AsyncIterator[Any]:
         """Prefill a short prompt on this replica, then decode it in this replica's batch:
         the same stream as :meth:`generate` (a :class:`StreamStart`, then tokens) without
-        the KV hop."""
+        the KV hop. ``on_replica`` routes the call to that replica (FeedRouter; the
+        :class:`StreamStart` names the one that took it)."""
         package = await self.make_kv_package(req)
         start = StreamStart(self.node_id, package.kv_nbytes, 0.0, 0.0, package.prefill_s,
                             local_prefill=True, replica_id=self.replica_id,

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+import ray
 from ray import serve
 
 from app.config import EngineConfig
@@ -296,9 +297,20 @@ async def _one_stream(url: str, body: dict[str, Any]) -> StreamResult:
         return await _completion_stream(client, url, body)
 
 
+def _decode_replica_ids(decode: Any) -> set[str]:
+    """The autoscale app's decode replicas (their Serve unique ids), each confirmed by a call
+    pinned to it."""
+    prefix = f"SERVE_REPLICA::{AS_APP}#DecodeServer#"
+    ids = {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+           if a["name"].startswith(prefix)}
+    answered = {decode.stats.remote(on_replica=rid).result(timeout_s=60)["replica_id"]
+                for rid in ids}
+    assert answered == ids and len(ids) == 2, (ids, answered)
+    return ids
+
+
 def test_decode_heavy_load_scales_decode_only_and_scaling_down_cuts_no_stream(autoscale_app):
     url, monitor = autoscale_app
-    handle = serve.get_app_handle(AS_APP)
     # Tail streams must outlast the scale-down (~the look-back plus the downscale delay plus
     # a metrics push after the heavy load is dropped): ~30 s at the best pace a lone stream
     # gets here, whatever this machine's speed.
@@ -321,19 +333,22 @@ def test_decode_heavy_load_scales_decode_only_and_scaling_down_cuts_no_stream(au
     except TimeoutError:
         heavy.stop.set()
         raise
-    # Two long streams while the new replica is the least loaded: they land on it, and it
-    # is the one Serve removes first (same node: newest first) once the load is gone.
-    tail_body = {"messages": [{"role": "user", "content": "Count from one to a thousand."}],
-                 "max_tokens": tail_tokens, "ignore_eos": True, "temperature": 0}
+    # One long stream pinned to each decode replica (FeedRouter's on_replica): whichever
+    # one Serve removes once the load is gone, a stream is running on it. (Left to the
+    # router, both could land on one replica: its view of their queues is seconds old.)
+    decode = serve.get_deployment_handle("DecodeServer", AS_APP)
+    pinned = sorted(_decode_replica_ids(decode))
 
-    def tail() -> tuple[dict[str, Any], float]:
-        return handle.trace.remote(tail_body).result(timeout_s=600), time.monotonic()
+    def tail(rid: str) -> tuple[str, list[Any], float]:
+        req = PrefillRequest(f"tail-{rid}", tuple(_prompt_ids(LOCAL_THRESHOLD + 8, 99)),
+                             SamplingParams(max_tokens=tail_tokens, ignore_eos=True,
+                                            temperature=0.0))
+        items = list(decode.options(stream=True).generate_local.remote(req, on_replica=rid))
+        return items[0].replica_id, items[1:], time.monotonic()
 
     with ThreadPoolExecutor(2) as pool:
-        tails = []
-        for _ in range(2):
-            tails.append(pool.submit(tail))
-            time.sleep(0.5)
+        tails = [pool.submit(tail, rid) for rid in pinned]
+        time.sleep(0.5)
         heavy.stop.set()  # the heavy clients go away at once, their streams with them
         heavy_thread.join(timeout=60)
         t_down = monitor.wait_for(lambda p, d: d == 1, timeout_s=120)
@@ -342,7 +357,7 @@ def test_decode_heavy_load_scales_decode_only_and_scaling_down_cuts_no_stream(au
     print(f"decode-heavy (s, prefill, decode): {monitor.transitions(t0)}; "
           f"{len(heavy.results)} streams done, {heavy.cancelled} dropped by the client; "
           f"{token_s * 1000:.0f} ms/token alone; tails of {tail_tokens} tokens; down at "
-          f"{t_down - t0:.1f}s, tails ended at {[round(e - t0, 1) for _, e in done]}")
+          f"{t_down - t0:.1f}s, tails ended at {[round(e - t0, 1) for _, _, e in done]}")
 
     during = monitor.since(t0)
     assert max(d for _, _, d in during) == 2
@@ -352,17 +367,18 @@ def test_decode_heavy_load_scales_decode_only_and_scaling_down_cuts_no_stream(au
     for r in heavy.results:
         assert (r.status, r.error, r.done) == (200, None, True)
         assert (r.completion_tokens, r.finish_reason) == (heavy_tokens, "length")
-    for tr, _ in done:
-        assert tr["response"]["usage"]["completion_tokens"] == tail_tokens
-        assert tr["response"]["choices"][0]["finish_reason"] == "length"
+    assert [landed for landed, _, _ in done] == pinned
+    for _, events, _ in done:
+        assert [e.index for e in events] == list(range(tail_tokens))
+        assert all(e.error is None for e in events)
+        assert events[-1].finish_reason == "length"
     # The replica that went away was streaming when it left the running set, and its
     # stream still ended with all of its tokens: it drained instead of being cut.
-    survivor = handle.trace.remote({"prompt": "Hi", "max_tokens": 2},
-                                   kind="completion").result(timeout_s=60)
-    drained = [ended for tr, ended in done
-               if tr["decode_replica"] != survivor["decode_replica"]]
-    assert drained, "a tail stream should have run on the replica that was removed"
-    assert max(drained) > t_down
+    survivor = {decode.stats.remote().result(timeout_s=60)["replica_id"] for _ in range(3)}
+    assert len(survivor) == 1 and survivor <= set(pinned)
+    drained = [ended for landed, _, ended in done if landed not in survivor]
+    assert len(drained) == 1
+    assert drained[0] > t_down
     assert monitor.latest() == (1, 1)
 
 
