@@ -81,7 +81,8 @@ def others_running(loadavg: Path, reads: int = _NOW_READS, gap_s: float = _NOW_G
 
 class IdleCores:
     """How many threads the next pass may use: ``base`` plus the cores the rest of the
-    machine left idle since the previous pass, at most ``most``."""
+    machine left idle since the previous pass (after a pause over ``_STALE_S``: the cores
+    idle now), at most ``most``."""
 
     def __init__(self, base: int, most: int, stat: Path = Path("/proc/stat"),
                  loadavg: Path = Path("/proc/loadavg")) -> None:
