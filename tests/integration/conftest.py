@@ -8,6 +8,8 @@ import contextlib
 from typing import Any
 
 import pytest
+from ray import serve
+from ray.util.state import list_actors
 
 from tests.cluster import Topology, phase_args, split_topology, wait_ready
 
@@ -75,3 +77,20 @@ def local_greedy(model, tokenizer, requests: list[tuple[Any, dict[str, Any]]]) -
         return outs
 
     return asyncio.run(run())
+
+
+def live_replicas(app: str, deployment: str) -> list:
+    """The live actors of a deployment's replicas (Ray's state API)."""
+    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.class_name.endswith(f"{app}:{deployment}")]
+
+
+def decode_replica_stats(app: str) -> dict[str, dict]:
+    """stats() of each live decode replica of ``app``, asked by its id (its router sends a
+    call that names a replica there), keyed by the replica id the answer gives."""
+    handle = serve.get_deployment_handle("DecodeServer", app)
+    seen: dict[str, dict] = {}
+    for actor in live_replicas(app, "DecodeServer"):
+        st = handle.stats.remote(on_replica=actor.name.split("#")[-1]).result(timeout_s=30)
+        seen[st["replica_id"]] = st
+    return seen

@@ -24,14 +24,13 @@ from typing import Any
 
 import httpx
 import pytest
-import ray
 from ray import serve
 
 from app.config import EngineConfig
 from app.engine_core import LocalEngine
 from app.messages import PrefillRequest
 from app.sampling import SamplingParams
-from tests.integration.conftest import APP, wait_ready
+from tests.integration.conftest import APP, decode_replica_stats, wait_ready
 from tests.integration.conftest import app_args as split_app_args
 
 pytestmark = pytest.mark.integration
@@ -297,18 +296,6 @@ async def _one_stream(url: str, body: dict[str, Any]) -> StreamResult:
         return await _completion_stream(client, url, body)
 
 
-def _decode_replica_ids(decode: Any) -> set[str]:
-    """The autoscale app's decode replicas (their Serve unique ids), each confirmed by a call
-    pinned to it."""
-    prefix = f"SERVE_REPLICA::{AS_APP}#DecodeServer#"
-    ids = {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-           if a["name"].startswith(prefix)}
-    answered = {decode.stats.remote(on_replica=rid).result(timeout_s=60)["replica_id"]
-                for rid in ids}
-    assert answered == ids and len(ids) == 2, (ids, answered)
-    return ids
-
-
 def test_decode_heavy_load_scales_decode_only_and_scaling_down_cuts_no_stream(autoscale_app):
     url, monitor = autoscale_app
     # Tail streams must outlast the scale-down (~the look-back plus the downscale delay plus
@@ -337,7 +324,8 @@ def test_decode_heavy_load_scales_decode_only_and_scaling_down_cuts_no_stream(au
     # one Serve removes once the load is gone, a stream is running on it. (Left to the
     # router, both could land on one replica: its view of their queues is seconds old.)
     decode = serve.get_deployment_handle("DecodeServer", AS_APP)
-    pinned = sorted(_decode_replica_ids(decode))
+    pinned = sorted(decode_replica_stats(AS_APP))  # each asked by its id
+    assert len(pinned) == 2, pinned
 
     def tail(rid: str) -> tuple[str, list[Any], float]:
         req = PrefillRequest(f"tail-{rid}", tuple(_prompt_ids(LOCAL_THRESHOLD + 8, 99)),

@@ -17,13 +17,17 @@ import httpx
 import pytest
 import ray
 from ray import serve
-from ray.util.state import list_actors
 
 from app.config import EngineConfig
 from app.engine_core import LocalEngine
 from app.sampling import SamplingParams
 from tests.cluster import cpu_hog
-from tests.integration.conftest import app_args, exclusive_app
+from tests.integration.conftest import (
+    app_args,
+    decode_replica_stats,
+    exclusive_app,
+    live_replicas,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -105,8 +109,7 @@ def stream_text(url: str, prompt: str, max_tokens: int, on_chunk=None,
 
 
 def replicas(deployment: str) -> list:
-    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.class_name.endswith(f"{NAME}:{deployment}")]
+    return live_replicas(NAME, deployment)
 
 
 def kill(actor) -> None:
@@ -128,13 +131,10 @@ def all_stats(deployment: str) -> dict[str, dict]:
     """stats() of every replica of a deployment: a decode replica asked by its id (its
     router sends a call that names a replica there), a prefill one through the handle's
     random choice."""
+    if deployment == "DecodeServer":
+        return decode_replica_stats(NAME)
     handle = serve.get_deployment_handle(deployment, NAME)
     seen: dict[str, dict] = {}
-    if deployment == "DecodeServer":
-        for actor in replicas(deployment):
-            st = handle.stats.remote(on_replica=actor.name.split("#")[-1]).result(timeout_s=30)
-            seen[st["replica_id"]] = st
-        return seen
     for _ in range(32):
         st = handle.stats.remote().result(timeout_s=30)
         seen[st["replica_id"]] = st
