@@ -37,10 +37,27 @@ def cpu_flags() -> frozenset[str] | None:
                            if line.startswith("flags")), []))
 
 
+# SPLITSERVE_KERNEL_ISA=avx2 keeps the engine to an AVX2-only CPU's paths on one with more:
+# the kernels' AVX-512 tiles and bf16/VNNI dot products report absent (app.cpu_kernels) and
+# dtype auto chooses as it would there; for tests and for measuring those paths
+KERNEL_ISA_ENV = "SPLITSERVE_KERNEL_ISA"
+KERNEL_ISAS = ("native", "avx2")
+
+
+def kernel_isa() -> str:
+    """The instructions the engine may use: ``native`` (what the CPU has, the default) or
+    ``avx2`` (``$SPLITSERVE_KERNEL_ISA``); ValueError naming the variable otherwise."""
+    value = os.environ.get(KERNEL_ISA_ENV, "").strip().lower() or "native"
+    if value not in KERNEL_ISAS:
+        raise ValueError(f"{KERNEL_ISA_ENV}={value!r}: expected one of {list(KERNEL_ISAS)}")
+    return value
+
+
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 products natively (AVX512-BF16 or AMX-BF16)."""
+    """Whether this CPU computes bf16 products natively (AVX512-BF16 or AMX-BF16), and the
+    engine may use them (not kept to AVX2, :func:`kernel_isa`)."""
     flags = cpu_flags() or frozenset()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return kernel_isa() == "native" and ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
 def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
@@ -53,6 +70,8 @@ def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
         return "bfloat16", "auto: a GPU serves in bfloat16"
     if cpu_has_native_bf16():
         return "bfloat16", "auto: the CPU has native bf16 products (avx512_bf16)"
+    if kernel_isa() == "avx2":
+        return "float32", f"auto: the engine is kept to AVX2 ({KERNEL_ISA_ENV}=avx2)"
     return "float32", "auto: the CPU has no native bf16 products (no avx512_bf16)"
 
 

@@ -22,7 +22,9 @@ They are plain C with AVX2 and FMA intrinsics. The panel kernel also has AVX-512
 at run time where the CPU has AVX-512: products of four rows or more, a prefill's included,
 run faster there (BENCHMARKS.md §1), bit for bit the same. Prefill attention
 (``prefill_attention.c``) takes the same choice: zmm where the CPU has AVX-512, else the
-same panels and blocks in ymm halves.
+same panels and blocks in ymm halves. ``SPLITSERVE_KERNEL_ISA=avx2`` keeps every kernel to
+its AVX2 path (``panel_limit_avx2``), as on a CPU without AVX-512, for the tests and for
+measuring an AVX2-only CPU's paths here.
 They are compiled here with the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang``) into ``<cache_dir>/kernels/`` under a name that
 hashes the source and flags, so a replica that restarts loads the built library. Where the
@@ -49,7 +51,7 @@ from pathlib import Path
 # so the kernel's OpenMP team is torch's thread pool
 import torch
 
-from app.config import cpu_flags, default_cache_dir
+from app.config import KERNEL_ISA_ENV, cpu_flags, default_cache_dir, kernel_isa
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +241,7 @@ def load_kernel(cache_dir: Path | None = None) -> ctypes.CDLL:
     with _lock:
         if _lib is not None:
             return _lib
+        isa = kernel_isa()  # a bad $SPLITSERVE_KERNEL_ISA raises, not a quiet fallback
         compiler = _compiler()
         identity = compiler_identity(compiler)
         if _failure is not None and _failure[0] == identity:
@@ -258,6 +261,10 @@ def load_kernel(cache_dir: Path | None = None) -> ctypes.CDLL:
             if reason is not None:
                 raise RuntimeError(f"refused {target}: {reason}")
             _lib = _bind(ctypes.CDLL(str(target)))
+            if isa == "avx2":
+                _lib.panel_limit_avx2(1)
+                logger.info("CPU kernels kept to AVX2 and FMA (%s=avx2): no AVX-512 tiles, "
+                            "bf16 or VNNI dot products", KERNEL_ISA_ENV)
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             _failure = (identity, f"CPU kernels unavailable: {exc}")
             raise RuntimeError(_failure[1]) from exc

@@ -6,7 +6,10 @@ oneDNN's with ``+packed+onednn``; ``+gather`` for decode attention through a gat
 SDPA instead of the in-place kernel, ``app.attention`` (its pool then in the compute dtype);
 ``+unfused`` for a decode step through the model's modules instead of one call to the fused
 kernel, ``app.fused_decode``;
-``+avx2`` for the panel kernel kept to its AVX2 tiles on a CPU that has AVX-512; ``+kvf32``
+``+avx2`` for the kernels kept to an AVX2-only CPU's paths on one that has AVX-512 (no
+AVX-512 tiles, bf16 or VNNI dot products: ``bfloat16+packed+avx2`` holds widened bf16 panels;
+``SPLITSERVE_KERNEL_ISA=avx2`` does it for every variant and for torch's own choice too
+with ``ATEN_CPU_CAPABILITY=avx2``); ``+kvf32``
 for a float32 KV pool (and packages) where the dtype would hold them in bf16; ``+int8``
 for weight-only int8 panels (``EngineConfig.weights``; a ``bfloat16+packed`` variant holds
 bf16 panels, app.packed_linear.weight_plan); side by
@@ -37,7 +40,7 @@ from pathlib import Path
 import torch
 
 from app import cpu_kernels
-from app.config import DEFAULT_MODEL, EngineConfig, KernelConfig
+from app.config import DEFAULT_MODEL, EngineConfig, KernelConfig, kernel_isa
 from app.decode import Decoder
 from app.engine_core import EngineCore
 from app.messages import PrefillRequest
@@ -138,6 +141,8 @@ class Variant:
                                 "kvf32"}
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
+        self.avx512 = "avx2" not in flags and kernel_isa() == "native"
+        self.activate()  # before the load: the weights' kind follows the CPU's paths
         self.core = EngineCore.here(EngineConfig(
             model=model, dtype=dtype, num_threads=threads,
             weights="int8" if "int8" in flags else None,
@@ -147,7 +152,6 @@ class Variant:
                         else "onednn" if "onednn" in flags else "auto"),
                 attention="gather" not in flags,
                 fused_decode="unfused" not in flags)))
-        self.avx512 = "avx2" not in flags
         self.weight_bytes = step_weight_bytes(self.core.model)
         self.floor = Floor(self.weight_bytes, self.core.runner.dtype)
         self.b1 = Batch(self.core, [CONTEXT], seed=1)
@@ -159,9 +163,9 @@ class Variant:
             self.rows["prefill1024_ms"] = []
 
     def activate(self) -> None:
-        """The panel kernel's vector path is per process: set this variant's before it runs."""
+        """The kernels' vector paths are per process: set this variant's before it runs."""
         if cpu_kernels.kernel_unavailable() is None:
-            cpu_kernels.load_kernel().panel_set_avx512(int(self.avx512))
+            cpu_kernels.load_kernel().panel_limit_avx2(int(not self.avx512))
 
     def round(self, steps: int) -> None:
         self.activate()

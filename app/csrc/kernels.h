@@ -36,6 +36,8 @@ long panel_nr(void);
 long panel_floats(long n, long k);
 void panel_pack(const float *w, long ldw, long n, long k, float *p);
 int panel_pack_bytes(const void *w, long ldw, long n, long k, void *p, long size);
+int panel_avx2_only(void);
+int panel_limit_avx2(int on);
 int panel_has_avx512(void);
 int panel_set_avx512(int on);
 int panel_uses_avx512(void);

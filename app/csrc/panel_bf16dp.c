@@ -42,7 +42,7 @@
 
 int panel_has_avx512bf16(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
+    return !panel_avx2_only() && __builtin_cpu_supports("avx512bf16");
 }
 
 /* Elements (bf16) in the pair panels of an [n, k] weight. */
@@ -229,13 +229,7 @@ static void dp_run(const uint32_t *xb, long m, long kp, const uint16_t *p, long 
    SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-BF16, SK_NO_MEMORY. */
 int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, const float *bias,
                   float *y, int threads) {
-    static int supported = -1;
-    int ok = __atomic_load_n(&supported, __ATOMIC_RELAXED);
-    if (ok < 0) {
-        ok = panel_has_avx512bf16();
-        __atomic_store_n(&supported, ok, __ATOMIC_RELAXED);
-    }
-    if (!ok) return SK_NO_ISA;
+    if (!panel_has_avx512bf16()) return SK_NO_ISA;
     if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
     long kp = (k + 1) / 2, panels = (n + NR - 1) / NR;
     uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)(m * kp));

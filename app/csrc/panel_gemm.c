@@ -121,9 +121,23 @@ int panel_pack_bytes(const void *w, long ldw, long n, long k, void *p, long size
    Read and written atomically: prefill lanes run products on several threads at once. */
 static int use512 = -1;
 
+/* 1 while the kernels are kept to AVX2 and FMA (panel_limit_avx2): every AVX-512 path, the
+   bf16 and VNNI dot products included, reports absent, as on a CPU without AVX-512. */
+static int avx2_only = 0;
+
+int panel_avx2_only(void) { return __atomic_load_n(&avx2_only, __ATOMIC_RELAXED); }
+
+/* on: 1 keeps every kernel to AVX2 (for a test, or to measure an AVX2-only CPU's paths on
+   one with AVX-512), 0 lets each take what the CPU has again. Returns the setting. */
+int panel_limit_avx2(int on) {
+    __atomic_store_n(&avx2_only, on ? 1 : 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&use512, -1, __ATOMIC_RELAXED); /* decided again at the next product */
+    return on ? 1 : 0;
+}
+
 int panel_has_avx512(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
+    return !panel_avx2_only() && __builtin_cpu_supports("avx512f");
 }
 
 /* on: 1 uses AVX-512 where the CPU has it, 0 keeps to AVX2. Returns the path now in force. */

@@ -51,7 +51,7 @@
 
 int panel_has_avx512vnni(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+    return !panel_avx2_only() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
 }
 
@@ -256,13 +256,7 @@ static void vn_run(const struct vn_job *j, long q0, long q1) {
    Returns SK_OK, SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
 int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
                 const float *scale, float *y, int threads) {
-    static int supported = -1;
-    int ok = __atomic_load_n(&supported, __ATOMIC_RELAXED);
-    if (ok < 0) {
-        ok = panel_has_avx512vnni();
-        __atomic_store_n(&supported, ok, __ATOMIC_RELAXED);
-    }
-    if (!ok) return SK_NO_ISA;
+    if (!panel_has_avx512vnni()) return SK_NO_ISA;
     if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
     long kp = (k + 1) / 2, panels = (n + NR - 1) / NR, blocks = (kp + KB - 1) / KB;
     uint32_t *xq = malloc(sizeof(uint32_t) * (size_t)(m * kp));

@@ -345,7 +345,7 @@ int prefill_attention_bf16(const float *q, long qsb, long qsh, long qss,
     int status = prefill_attention_args(q, k, v, out, batch, heads, kv_heads, s, t, d, starts,
                                         pmax, threads);
     if (status != SK_OK) return status;
-    if (!__builtin_cpu_supports("avx512bf16")) return SK_NO_ISA;
+    if (!panel_has_avx512bf16()) return SK_NO_ISA;
     if (batch * s == 0) return SK_OK;
     long group = heads / kv_heads, tp = (t + KP - 1) / KP;
     tp = (tp + PS - 1) / PS * PS; /* whole steps: a step's panels all exist (zero past t) */

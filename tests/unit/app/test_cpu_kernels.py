@@ -349,3 +349,41 @@ def test_avx512_and_avx2_paths_give_the_same_bits(threads):
     finally:
         lib.panel_set_avx512(1)
         torch.set_num_threads(before)
+
+
+@torch.inference_mode()
+def test_kept_to_avx2_every_wider_path_reports_absent_and_products_keep_their_bits():
+    """``panel_limit_avx2`` (``SPLITSERVE_KERNEL_ISA=avx2``): the AVX-512 tiles and the bf16
+    and VNNI dot products report absent, as on an AVX2-only CPU, the weights' plan takes the
+    widened kinds, a dot-product call is refused, and the products give the bits the AVX2
+    path gives; lifting it gives back what the CPU has."""
+    from app.packed_linear import weight_plan
+
+    lib = cpu_kernels.load_kernel()
+    kept = lib.panel_avx2_only()  # 1 where the whole run is (make test-kernels-avx2)
+    lib.panel_limit_avx2(0)
+    has = (lib.panel_has_avx512(), lib.panel_has_avx512bf16(), lib.panel_has_avx512vnni())
+    panel = PanelLinear(_linear(200, 77, True, seed=5))
+    x = torch.randn(13, 77)
+    assert lib.panel_set_avx512(0) == 0
+    avx2 = panel(x)
+    try:
+        assert lib.panel_limit_avx2(1) == 1 and lib.panel_avx2_only() == 1
+        assert (lib.panel_has_avx512(), lib.panel_has_avx512bf16(),
+                lib.panel_has_avx512vnni()) == (0, 0, 0)
+        assert lib.panel_uses_avx512() == 0 and lib.panel_set_avx512(1) == 0
+        assert torch.equal(panel(x), avx2)
+        assert weight_plan(EngineConfig(dtype="bfloat16"))[1] == "bfloat16"
+        assert weight_plan(EngineConfig(weights="int8"))[1] == "int8"
+        y = torch.empty(1, 16)
+        status = lib.linear_bf16dp(x.data_ptr(), 1, 32, x.data_ptr(), 16, None,
+                                   y.data_ptr(), 1)
+        with pytest.raises(cpu_kernels.KernelError, match="linear_bf16dp"):
+            cpu_kernels.check(status, "linear_bf16dp")
+        lib.panel_limit_avx2(0)
+        assert lib.panel_avx2_only() == 0
+        assert (lib.panel_has_avx512(), lib.panel_has_avx512bf16(),
+                lib.panel_has_avx512vnni()) == has
+        assert lib.panel_uses_avx512() == has[0]
+    finally:
+        lib.panel_limit_avx2(kept)

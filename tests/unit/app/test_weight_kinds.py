@@ -148,6 +148,7 @@ def test_panels_drop_the_float32_weights_and_the_fingerprint_says_the_kind():
 def test_config_decides_the_dtype_and_the_panels(monkeypatch):
     import app.config as config
 
+    monkeypatch.delenv(config.KERNEL_ISA_ENV, raising=False)
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto", "cpu")[0] == "bfloat16"
     assert EngineConfig(dtype="auto").torch_kv_dtype == torch.bfloat16
@@ -156,6 +157,28 @@ def test_config_decides_the_dtype_and_the_panels(monkeypatch):
                                                        "products (no avx512_bf16)")
     assert resolve_dtype("auto", "cuda")[0] == "bfloat16"
     assert resolve_dtype("float32", "cpu")[0] == "float32"
+
+
+def test_kept_to_avx2_auto_chooses_float32_and_a_bad_value_is_named(monkeypatch):
+    """``SPLITSERVE_KERNEL_ISA=avx2`` decides ``auto`` as an AVX2-only CPU would, whatever
+    this one has; a value it does not know raises, naming the variable."""
+    import app.config as config
+
+    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    monkeypatch.delenv(config.KERNEL_ISA_ENV, raising=False)
+    assert resolve_dtype("auto", "cpu")[0] == "bfloat16"
+    monkeypatch.setenv(config.KERNEL_ISA_ENV, "AVX2")
+    assert config.kernel_isa() == "avx2" and not config.cpu_has_native_bf16()
+    assert resolve_dtype("auto", "cpu") == (
+        "float32", "auto: the engine is kept to AVX2 (SPLITSERVE_KERNEL_ISA=avx2)")
+    monkeypatch.setenv(config.KERNEL_ISA_ENV, "avx10")
+    with pytest.raises(ValueError, match="SPLITSERVE_KERNEL_ISA='avx10'"):
+        config.kernel_isa()
+    monkeypatch.setenv(config.KERNEL_ISA_ENV, "native")
+    assert config.kernel_isa() == "native" and config.cpu_has_native_bf16()
+
+
+def test_weight_plan_takes_the_kind_the_cpu_has_and_refuses_what_cannot_run():
     with pytest.raises(ValueError, match="weights must be one of"):
         EngineConfig(weights="int4")
     with pytest.raises(ValueError, match="int8 runs on the CPU"):
