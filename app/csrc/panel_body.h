@@ -2,7 +2,8 @@
  * with
  *   WT        the panels' element type (float, uint16_t holding bf16, int8_t),
  *   SFX       the suffix of this kind's function names (N(name) -> name_SFX),
- *   W8(p)     eight weights at p as eight floats in a ymm register (AVX2),
+ *   W8X2(p, w0, w1)  a k's sixteen weights at p as two ymm registers of eight floats,
+ *             columns 0-7 and 8-15 (AVX2),
  *   W16(p)    sixteen as a zmm register (AVX-512, in functions with that target).
  * A weight is widened to float in registers and every product is the same chain of float
  * FMAs whatever the kind: only the bytes read from memory differ (4, 2 or 1 a weight).
@@ -38,7 +39,8 @@ static inline __attribute__((always_inline)) void N(micro_sums)(
     for (long kk = 0; kk < k; kk++) {
         const WT *w = pan + kk * NR;
         _mm_prefetch((const char *)w + PF_BYTES, _MM_HINT_T0);
-        __m256 w0 = W8(w), w1 = W8(w + 8), b;
+        __m256 w0, w1, b;
+        W8X2(w, w0, w1);
         b = _mm256_broadcast_ss(x0 + kk);
         a00 = _mm256_fmadd_ps(b, w0, a00);
         a01 = _mm256_fmadd_ps(b, w1, a01);
@@ -125,8 +127,10 @@ static void N(micro6_slice)(int resume, long k, const WT *pan, const float *x, l
    one by one: as an array, the compiler kept them in memory.) */
 #define FMA_PAIR(A0, A1, B, W)                                     \
     do {                                                           \
-        A0 = _mm256_fmadd_ps(B, W8(W), A0);           \
-        A1 = _mm256_fmadd_ps(B, W8((W) + 8), A1);     \
+        __m256 w0_, w1_;                                           \
+        W8X2(W, w0_, w1_);                                         \
+        A0 = _mm256_fmadd_ps(B, w0_, A0);                          \
+        A1 = _mm256_fmadd_ps(B, w1_, A1);                          \
     } while (0)
 #define STORE_PAIR(Y, A0, A1, BIAS)                                          \
     do {                                                                     \
@@ -134,7 +138,13 @@ static void N(micro6_slice)(int resume, long k, const WT *pan, const float *x, l
         _mm256_storeu_ps((Y) + 8, _mm256_add_ps(A1, _mm256_loadu_ps((BIAS) + 8))); \
     } while (0)
 
-/* One row times four panels: four weight streams in flight (a lone stream's decode step). */
+/* One row times four panels: four weight streams in flight (a lone stream's decode step).
+   Narrow weights (NEXT_EVERY > 0) also prefetch the next four panels towards L2, four more
+   streams the core reads ahead: a bf16 or int8 stream holds fewer bytes per k, and four of
+   them alone left the core reading memory well below float32's rate (SmolLM2's 121
+   products, one row, AVX2 path, one thread of an AMD EPYC: int8 0.62-0.65x the time, 16 ->
+   25 GB/s; bf16 0.95x; float32 gained nothing; BENCHMARKS.md §1, "The AVX2 paths").
+   The last tile's prefetch reads past its panels: a prefetch never faults. */
 static void N(tile1x4)(long k, const WT *pan, const float *x, long ldx, float *y, long ldy,
                     const float *bias) {
     (void)ldx, (void)ldy;
@@ -144,6 +154,11 @@ static void N(tile1x4)(long k, const WT *pan, const float *x, long ldx, float *y
     const WT *p0 = pan, *p1 = pan + k * NR, *p2 = pan + 2 * k * NR, *p3 = pan + 3 * k * NR;
     for (long kk = 0; kk < k; kk++) {
         long o = kk * NR;
+#if NEXT_EVERY
+        if (kk % NEXT_EVERY == 0)
+            for (int j = 4; j < 8; j++)
+                _mm_prefetch((const char *)(pan + j * k * NR + o), _MM_HINT_T1);
+#endif
         __m256 b = _mm256_broadcast_ss(x + kk);
         FMA_PAIR(a0, a1, b, p0 + o);
         FMA_PAIR(a2, a3, b, p1 + o);
@@ -166,8 +181,9 @@ static void N(tile2x2)(long k, const WT *pan, const float *x, long ldx, float *y
     const float *x1 = x + ldx;
     for (long kk = 0; kk < k; kk++) {
         long o = kk * NR;
-        __m256 w0 = W8(p0 + o), w1 = W8(p0 + o + 8);
-        __m256 w2 = W8(p1 + o), w3 = W8(p1 + o + 8);
+        __m256 w0, w1, w2, w3;
+        W8X2(p0 + o, w0, w1);
+        W8X2(p1 + o, w2, w3);
         __m256 b = _mm256_broadcast_ss(x + kk);
         a0 = _mm256_fmadd_ps(b, w0, a0);
         a1 = _mm256_fmadd_ps(b, w1, a1);
@@ -375,5 +391,7 @@ static void N(linear)(const float *x, long m, long k, const WT *p, long n, const
 
 #undef WT
 #undef SFX
+#undef NEXT_EVERY
 #undef W8
+#undef W8X2
 #undef W16
