@@ -44,6 +44,7 @@ from app.config import DEFAULT_MODEL, EngineConfig, KernelConfig, kernel_isa
 from app.decode import Decoder
 from app.engine_core import EngineCore
 from app.messages import PrefillRequest
+from app.packed_linear import PanelLinear
 from app.sampling import SamplingParams
 from app.sequence import Sequence
 
@@ -120,11 +121,18 @@ def join_gap(core: EngineCore, steps: int) -> dict[str, float]:
 
 def step_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights a decode step reads: every parameter but the input embedding's (a
-    step reads only its rows); an LM head tied to the embedding is read once, as the head."""
+    step reads only its rows); an LM head tied to the embedding is read once, as the head;
+    a panel-packed linear is read as its panels (and int8 scales), not as its parameter (a
+    tied head's bf16 or int8 panels, where the parameter stays the float32 embedding)."""
     embedding = model.get_input_embeddings()
     seen: dict[int, torch.Tensor] = {}
     for module in model.modules():
         if module is embedding:
+            continue
+        if isinstance(module, PanelLinear):
+            for t in (module.panels, module.weight_scale, module.bias):
+                if t is not None:
+                    seen[id(t)] = t
             continue
         for p in module.parameters(recurse=False):
             seen[id(p)] = p

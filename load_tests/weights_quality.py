@@ -27,7 +27,14 @@ from pathlib import Path
 
 import torch
 
-from app.config import DEFAULT_MODEL, EngineConfig, KernelConfig, cpu_flags
+from app.config import (
+    DEFAULT_MODEL,
+    KERNEL_ISA_ENV,
+    EngineConfig,
+    KernelConfig,
+    cpu_flags,
+    kernel_isa,
+)
 from app.model_loader import load_model, load_tokenizer, model_dtype
 
 PROMPTS = (
@@ -56,7 +63,8 @@ def cpu_facts() -> str:
     except OSError:
         model = platform.processor() or "unknown"
     flags = sorted(f for f in cpu_flags() or () if f.startswith(("avx", "amx", "fma")))
-    return f"{model}; {' '.join(flags)}"
+    kept = f"; kernels kept to AVX2 ({KERNEL_ISA_ENV}=avx2)" if kernel_isa() == "avx2" else ""
+    return f"{model}; {' '.join(flags)}{kept}"
 
 
 @torch.inference_mode()
