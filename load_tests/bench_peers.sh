@@ -24,8 +24,10 @@
 # the decode floor is the weights' bytes over it.
 #
 # Knobs: ROUNDS (3), WORKLOADS ("W-single W-short W-long"; see peer_bench.sh), DTYPES
-# (bfloat16 and float32 where the CPU has avx512_bf16, vLLM's default dtype there; else
-# float32), SERVERS ("vllm vllm-matched split colocated"), BASE_CONFIGS (serve_configs),
+# ("bfloat16 float32": vLLM's default dtype where the CPU has avx512_bf16 is bf16; on an
+# AVX2-only CPU vLLM serves float32 faster and this app bf16 (widened panels), so compare
+# the app's bfloat16 rows with vLLM's float32 ones there: BENCHMARKS.md §7, "AVX2"),
+# SERVERS ("vllm vllm-matched split colocated"), BASE_CONFIGS (serve_configs),
 # OUT (docs/benchmarks/results/<date>-<cpu>), plus peer_bench.sh's (ports, timeouts).
 #
 # Layout of OUT: machine.txt (CPU model, flags, cores, memory, commit, versions, and the
@@ -46,9 +48,7 @@ PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || die "$PY is missing: run make setup first"
 
 flags=$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2)
-if [ -z "${DTYPES:-}" ]; then
-  if grep -qw avx512_bf16 <<<"$flags"; then DTYPES="bfloat16 float32"; else DTYPES="float32"; fi
-fi
+DTYPES=${DTYPES:-"bfloat16 float32"}
 ROUNDS=${ROUNDS:-3}
 WORKLOADS=${WORKLOADS:-"W-single W-short W-long"}
 SERVERS=${SERVERS:-"vllm vllm-matched split colocated"}
