@@ -139,11 +139,11 @@ static void N(micro6_slice)(int resume, long k, const WT *pan, const float *x, l
     } while (0)
 
 /* One row times four panels: four weight streams in flight (a lone stream's decode step).
-   Narrow weights (NEXT_EVERY > 0) also prefetch the next four panels towards L2, four more
-   streams the core reads ahead: a bf16 or int8 stream holds fewer bytes per k, and four of
-   them alone left the core reading memory well below float32's rate (SmolLM2's 121
-   products, one row, AVX2 path, one thread of an AMD EPYC: int8 0.62-0.65x the time, 16 ->
-   25 GB/s; bf16 0.95x; float32 gained nothing; BENCHMARKS.md §1, "The AVX2 paths").
+   int8 (NEXT_EVERY > 0) also prefetches the next four panels towards L2, four more streams
+   the core reads ahead: an int8 stream holds a quarter of float32's bytes per k, and four
+   of them alone left the core reading memory well below float32's rate (SmolLM2's 121
+   products, one row, AVX2 path, one thread of an AMD EPYC: 0.62-0.65x the time, 16 -> 25
+   GB/s; bf16 0-3%, float32 nothing; BENCHMARKS.md §1, "The AVX2 paths").
    The last tile's prefetch reads past its panels: a prefetch never faults. */
 static void N(tile1x4)(long k, const WT *pan, const float *x, long ldx, float *y, long ldy,
                     const float *bias) {

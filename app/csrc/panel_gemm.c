@@ -170,8 +170,8 @@ static void scale_cols(float *y, long m, long n, const float *scale, const float
 #define N(name) CAT(name, SFX)
 
 /* NEXT_EVERY: a lone row's tile (tile1x4) prefetches the next four panels towards L2, a
-   line of each every NEXT_EVERY k (64 bytes: 2 k of bf16, 4 of int8); 0: none (float32,
-   whose four streams already read as fast as the core reads memory) */
+   line of each every NEXT_EVERY k (64 bytes: 4 k of int8); 0: none (float32, whose four
+   streams already read as fast as the core reads memory; bf16, which gained 0-3%) */
 #define WT float
 #define SFX f32
 #define NEXT_EVERY 0
@@ -187,7 +187,7 @@ static void scale_cols(float *y, long m, long n, const float *scale, const float
    0.87x the time on the AVX2 path, one row no change; the zmm form no change either.) */
 #define WT uint16_t
 #define SFX bf16
-#define NEXT_EVERY 2
+#define NEXT_EVERY 0
 #define BF16_HIGH(v) _mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u))
 #define W8X2(p, w0, w1)                                                                 \
     (w0 = _mm256_castsi256_ps(_mm256_slli_epi32(                                        \
