@@ -34,7 +34,8 @@
 # sha256 of each peer script as run: the same scripts in every folder, so not copied),
 # configs/<dtype>/ (this app's serve configs as run), <dtype>/round-N/
 # (every server's result JSON, run-info.txt with the command lines, logs/, stream.json), and
-# <dtype>/table.md (load_tests/peer_rounds.py over the rounds). Regenerate the tables in
+# <dtype>/table.md (load_tests/peer_rounds.py over the rounds), across-dtypes.md (every
+# server at both dtypes over vLLM at float32, round by round). Regenerate the tables in
 # BENCHMARKS.md from it with load_tests/bench_tables.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -147,6 +148,15 @@ for dtype in $DTYPES; do
     "$PY" -m load_tests.stream_bw --dtype "$dtype" --summarize "$OUT/$dtype"/round-*/stream.json
   } | tee "$OUT/$dtype/table.md"
 done
+# each server at each dtype, round by round, over vLLM at float32: on an AVX2-only CPU vLLM's
+# faster dtype, where this app's is bf16 (BENCHMARKS.md §7, "AVX2")
+if [[ " $DTYPES " == *" bfloat16 "* && " $DTYPES " == *" float32 "* \
+      && " ${servers[*]} " == *" vllm "* ]]; then
+  across=()
+  for s in "${servers[@]}"; do across+=("$s@bfloat16" "$s@float32"); done
+  python3 load_tests/peer_rounds.py "$OUT"/bfloat16/round-* "$OUT"/float32/round-* \
+    --servers "${across[@]}" --baseline vllm@float32 | tee "$OUT/across-dtypes.md"
+fi
 echo "results in $OUT"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]} (see each round's bench_peers.log)" >&2

@@ -83,8 +83,11 @@ def gen_peer_rounds(args: list[str], base: Path) -> str:
         figures = peer_rounds.with_figures(ns.figure)
     except ValueError as exc:
         raise BlockError(f"peer_rounds: {exc}") from exc
-    return peer_rounds.render(peer_rounds.load(rounds, ns.servers, figures), ns.servers,
-                              ns.baseline)
+    try:
+        table = peer_rounds.load(rounds, ns.servers, figures)
+    except ValueError as exc:
+        raise BlockError(f"peer_rounds: {exc}") from exc
+    return peer_rounds.render(table, ns.servers, ns.baseline)
 
 
 def gen_stream_bw(args: list[str], base: Path) -> str:

@@ -6,6 +6,11 @@ with the min-max of the rounds' ratios.
     python load_tests/peer_rounds.py ROUND_DIR [ROUND_DIR ...] [--servers vllm split colocated]
         [--figure "W-short:ITL p99 ms" ...] [--baseline vllm-matched]
 
+A server may be named ``NAME@DTYPE`` to take it from one dtype's rounds of ``make
+bench-peers`` only, so that servers at different dtypes compare round by round: on an
+AVX2-only CPU, ``OUT/*/round-* --servers split@bfloat16 vllm@float32 --baseline
+vllm@float32`` (this app at its fastest dtype there against vLLM at its own).
+
 ``--figure WORKLOAD:FIGURE`` (any of ``peer_table``'s figures) adds a row to the default ones.
 
 Standard library only, as ``peer_table.py``.
@@ -41,9 +46,19 @@ def with_figures(extra: list[str]) -> dict:
     return figures
 
 
+def source(server: str) -> tuple[str, str | None]:
+    """A ``--servers`` entry: ``NAME`` (its ``NAME_<workload>.json`` in every round folder)
+    or ``NAME@DTYPE`` (only in round folders under a folder named DTYPE, as ``make
+    bench-peers`` lays out each dtype's rounds: the app at bf16 against vLLM at float32)."""
+    name, _, parent = server.partition("@")
+    return name, parent or None
+
+
 def load(rounds: list[Path], servers: list[str], figures: dict | None = None) -> dict:
-    """{(workload, figure): {server: [value per round]}} for the rounds that have it;
-    ``figures`` ({workload: labels}, KEY_FIGURES by default) chooses the rows."""
+    """{(workload, figure): {server: {round name: value}}} for the rounds that have it;
+    ``figures`` ({workload: labels}, KEY_FIGURES by default) chooses the rows. Rounds pair
+    by their folder's name (``round-N``), across dtypes too; ValueError where a server
+    without ``@DTYPE`` has two folders of one name."""
     figures = KEY_FIGURES if figures is None else figures
     table: dict = {}
     for folder in rounds:
@@ -52,11 +67,16 @@ def load(rounds: list[Path], servers: list[str], figures: dict | None = None) ->
                 if label not in figures.get(workload, ()):
                     continue
                 for server in servers:
-                    path = folder / f"{server}_{workload}.json"
-                    if path.is_file():
-                        value = read(json.loads(path.read_text()))
-                        cell = table.setdefault((workload, label), {})
-                        cell.setdefault(server, {})[folder.name] = value
+                    name, parent = source(server)
+                    path = folder / f"{name}_{workload}.json"
+                    if (parent is not None and folder.parent.name != parent) or (
+                            not path.is_file()):
+                        continue
+                    cell = table.setdefault((workload, label), {}).setdefault(server, {})
+                    if folder.name in cell:
+                        raise ValueError(f"{server}: two rounds named {folder.name} (name "
+                                         f"the dtype: {name}@<folder>)")
+                    cell[folder.name] = read(json.loads(path.read_text()))
     return table
 
 
@@ -96,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         figures = with_figures(args.figure)
     except ValueError as exc:
         ap.error(str(exc))
-    print(render(load(args.rounds, args.servers, figures), args.servers, args.baseline))
+    try:
+        table = load(args.rounds, args.servers, figures)
+    except ValueError as exc:
+        ap.error(str(exc))
+    print(render(table, args.servers, args.baseline))
     return 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from load_tests import peer_table
 
 
@@ -58,3 +60,33 @@ def test_rounds_ratios_to_a_named_baseline(tmp_path, capsys):
     assert "split / vllm-matched" not in row
     # split over matched per round: 0.80, 0.60, 1.00
     assert row.rstrip(" |").endswith("0.80x (0.60-1.00, 3 rounds)")
+
+
+def test_rounds_compare_servers_at_different_dtypes_round_by_round(tmp_path, capsys):
+    """``NAME@DTYPE`` reads a server from that dtype's rounds only (make bench-peers' layout),
+    pairing rounds by name across dtypes: the app at bf16 over vLLM at float32. A server
+    named without its dtype, found in two rounds of one name, is refused."""
+    from load_tests import peer_rounds
+
+    rounds = []
+    for dtype, vllm, split in (("bfloat16", (50.0, 60.0, 40.0), (150.0, 150.0, 150.0)),
+                               ("float32", (100.0, 120.0, 150.0), (90.0, 90.0, 90.0))):
+        for i in range(3):
+            folder = tmp_path / dtype / f"round-{i + 1}"
+            folder.mkdir(parents=True)
+            for name, tok_s in (("vllm", vllm[i]), ("split", split[i])):
+                (folder / f"{name}_W-short.json").write_text(json.dumps(_result(tok_s, 10.0)))
+            rounds.append(str(folder))
+    servers = ["split@bfloat16", "vllm@bfloat16", "vllm@float32"]
+    assert peer_rounds.main([*rounds, "--servers", *servers, "--baseline", "vllm@float32"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("| W-short | out tok/s"))
+    cells = [c.strip() for c in row.strip("| ").split("|")]
+    # medians: split at bf16 150, vLLM at bf16 50, at float32 120; split / vllm@float32 per
+    # round 1.50, 1.25, 1.00; vllm@bfloat16 / vllm@float32 0.50, 0.50, 0.27
+    assert cells[2:5] == ["150.0", "50.0", "120.0"]
+    assert cells[5] == "1.25x (1.00-1.50, 3 rounds)"
+    assert cells[6] == "0.50x (0.27-0.50, 3 rounds)"
+    with pytest.raises(SystemExit):
+        peer_rounds.main([*rounds, "--servers", "split", "vllm", "--baseline", "vllm"])
+    assert "name the dtype: split@<folder>" in capsys.readouterr().err
