@@ -271,6 +271,18 @@ def load_kernel(cache_dir: Path | None = None) -> ctypes.CDLL:
         return _lib
 
 
+def vector_path(cache_dir: Path | None = None) -> str:
+    """The widest vectors the kernels take on this CPU: ``avx512`` (its tiles, and the bf16
+    and VNNI dot products where it has them), ``avx2``, ``avx2_kept`` (kept to AVX2 on a CPU
+    with more: ``SPLITSERVE_KERNEL_ISA=avx2``) or ``none`` (no kernels here)."""
+    if kernel_unavailable(cache_dir) is not None:
+        return "none"
+    lib = load_kernel(cache_dir)
+    if lib.panel_avx2_only():
+        return "avx2_kept"
+    return "avx512" if lib.panel_has_avx512() else "avx2"
+
+
 def kernel_unavailable(cache_dir: Path | None = None) -> str | None:
     """Why the kernels cannot be used here, or None when they load."""
     try:

@@ -41,6 +41,7 @@ from app.attention import (
     serving_sdpa_backends,
 )
 from app.config import EngineConfig, dtype_name
+from app.cpu_kernels import vector_path
 from app.decode_attention import inplace_attention_unavailable
 from app.fused_decode import (
     FusedDecode,
@@ -176,7 +177,8 @@ class ModelRunner:
                 ("prefill and mixed passes' layers", self.fused_layers_reason,
                  "the model's modules")):
             if why is None:
-                logger.info("%s run in the engine's kernels", part)
+                logger.info("%s run in the engine's kernels (%s)", part,
+                            self.kernel_paths()["vectors"])
             else:
                 level = logging.INFO if why.startswith("turned off") else logging.WARNING
                 logger.log(level, "%s run through %s: %s", part, slow, why)
@@ -189,7 +191,9 @@ class ModelRunner:
                 "prefill_attention": ("kernel_bf16" if self.prefill_bf16 else "kernel")
                 if self.prefill_kernel else "torch",
                 "decode_step": "fused" if self.fused is not None else "modules",
-                "pass_layers": "fused" if self.fused_layers is not None else "modules"}
+                "pass_layers": "fused" if self.fused_layers is not None else "modules",
+                "vectors": vector_path(self.config.resolved_cache_dir)
+                if self.config.device == "cpu" else "none"}
 
     def _layers_forward(self, hidden, position_ids, mask, cache,
                         **attention_kwargs) -> torch.Tensor:

@@ -372,6 +372,7 @@ def test_kept_to_avx2_every_wider_path_reports_absent_and_products_keep_their_bi
         assert (lib.panel_has_avx512(), lib.panel_has_avx512bf16(),
                 lib.panel_has_avx512vnni()) == (0, 0, 0)
         assert lib.panel_uses_avx512() == 0 and lib.panel_set_avx512(1) == 0
+        assert cpu_kernels.vector_path() == "avx2_kept"  # the kernel_path gauge's "vectors"
         assert torch.equal(panel(x), avx2)
         assert weight_plan(EngineConfig(dtype="bfloat16"))[1] == "bfloat16"
         assert weight_plan(EngineConfig(weights="int8"))[1] == "int8"
@@ -385,5 +386,6 @@ def test_kept_to_avx2_every_wider_path_reports_absent_and_products_keep_their_bi
         assert (lib.panel_has_avx512(), lib.panel_has_avx512bf16(),
                 lib.panel_has_avx512vnni()) == has
         assert lib.panel_uses_avx512() == has[0]
+        assert cpu_kernels.vector_path() == ("avx512" if has[0] else "avx2")
     finally:
         lib.panel_limit_avx2(kept)

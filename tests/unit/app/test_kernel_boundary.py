@@ -264,7 +264,7 @@ NO_COMPILER = textwrap.dedent("""
     core = EngineCore(EngineConfig(max_batch_size=4, cache_dir=cache),
                       model=make_tiny_model(seed=4))
     assert core.runner.fused is None and not core.runner.inplace_attention
-    assert set(core.runner.kernel_paths().values()) == {"torch", "modules"}
+    assert set(core.runner.kernel_paths().values()) == {"torch", "modules", "none"}
     outs, _ = asyncio.run(engine_greedy(core, [[5, 9, 13], [300, 41]], 6))
     assert outs == [hf_greedy(make_tiny_model(seed=4), p, 6) for p in ([5, 9, 13], [300, 41])]
     print("SERVED")
