@@ -170,6 +170,7 @@ class ModelRunner:
     def _log_paths(self) -> None:
         """Each part's path at start-up: a slow path the config did not ask for is a WARNING
         with its reason (a replica that could not build or load the kernels says so)."""
+        vectors = self.kernel_paths()["vectors"]
         for part, why, slow in (
                 ("decode attention", self.inplace_reason, "a gathered copy and SDPA"),
                 ("prefill attention", self.prefill_attention_reason, "the model's SDPA"),
@@ -177,8 +178,7 @@ class ModelRunner:
                 ("prefill and mixed passes' layers", self.fused_layers_reason,
                  "the model's modules")):
             if why is None:
-                logger.info("%s run in the engine's kernels (%s)", part,
-                            self.kernel_paths()["vectors"])
+                logger.info("%s run in the engine's kernels (%s)", part, vectors)
             else:
                 level = logging.INFO if why.startswith("turned off") else logging.WARNING
                 logger.log(level, "%s run through %s: %s", part, slow, why)

@@ -40,9 +40,16 @@
 
 #define DP_TARGET __attribute__((target("avx512f,avx512bf16")))
 
+/* The CPU asked once (every product checks: linear_bf16dp), the AVX2 limit every time. */
 int panel_has_avx512bf16(void) {
-    __builtin_cpu_init();
-    return !panel_avx2_only() && __builtin_cpu_supports("avx512bf16");
+    static int cpu = -1;
+    int has = __atomic_load_n(&cpu, __ATOMIC_RELAXED);
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avx512bf16");
+        __atomic_store_n(&cpu, has, __ATOMIC_RELAXED);
+    }
+    return has && !panel_avx2_only();
 }
 
 /* Elements (bf16) in the pair panels of an [n, k] weight. */

@@ -49,10 +49,17 @@
 
 #define VN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
+/* The CPU asked once (every product checks: linear_i8dp), the AVX2 limit every time. */
 int panel_has_avx512vnni(void) {
-    __builtin_cpu_init();
-    return !panel_avx2_only() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
+    static int cpu = -1;
+    int has = __atomic_load_n(&cpu, __ATOMIC_RELAXED);
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512vl");
+        __atomic_store_n(&cpu, has, __ATOMIC_RELAXED);
+    }
+    return has && !panel_avx2_only();
 }
 
 /* x [m, k] float32 into xq [m, kp] pairs of int16 and xs [m, blocks] their blocks' scales. */
