@@ -19,16 +19,18 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-# The suite, then the kernels' tests again kept to an AVX2-only CPU's paths (about 30 s): the
+# The suite, then the kernels' tests again kept to an AVX2-only CPU's paths (about 50 s): the
 # AVX-512, bf16 and VNNI paths report absent, so a CPU that has them still checks the paths
-# an AVX2 machine takes (SPLITSERVE_KERNEL_ISA, app/config.py; torch kept to AVX2 alike).
+# an AVX2 machine takes (SPLITSERVE_KERNEL_ISA, app/config.py; torch kept to AVX2 alike),
+# and the split, colocated and CLI answers agree over the widened bf16 and int8 panels too.
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-kernels-avx2
 
 test-kernels-avx2: setup
 	SPLITSERVE_KERNEL_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 \
-	$(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+	$(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS) \
+	  tests/unit/deployments/test_kinds_agree.py
 
 test-unit: setup
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
