@@ -23,6 +23,12 @@
 # Before each round the read bandwidth is measured (load_tests/stream_bw.py, 1 and 2 threads):
 # the decode floor is the weights' bytes over it.
 #
+# MODEL=<a Hugging Face model folder> runs both sides on that model instead of the default
+# one: vLLM through a view of PEER whose smollm2-hf/ is MODEL (a temporary folder of links;
+# PEER is not changed), this app with engine.model set to MODEL in its configs, the floor on
+# its weights. A Qwen2-0.5B-shaped model of random weights with the default model's tokenizer
+# (BENCHMARKS.md §7): `python -m load_tests.make_model <dir>`, then MODEL=<dir>.
+#
 # Knobs: ROUNDS (3), WORKLOADS ("W-single W-short W-long"; see peer_bench.sh), DTYPES
 # ("bfloat16 float32": vLLM's default dtype where the CPU has avx512_bf16 is bf16; on an
 # AVX2-only CPU vLLM serves float32 faster and this app bf16 (widened panels), so compare
@@ -54,6 +60,21 @@ ROUNDS=${ROUNDS:-3}
 WORKLOADS=${WORKLOADS:-"W-single W-short W-long"}
 SERVERS=${SERVERS:-"vllm vllm-matched split colocated"}
 CONFIGS=${BASE_CONFIGS:-serve_configs}
+MODEL=${MODEL:-}
+APP_MODEL=smollm2-135m-instruct
+if [ -n "$MODEL" ]; then
+  [ -f "$MODEL/config.json" ] || die "MODEL '$MODEL' is not a model folder (no config.json)"
+  MODEL=$(cd "$MODEL" && pwd)
+  APP_MODEL=$MODEL
+  # the peer's scripts serve $PEER/smollm2-hf: a view of PEER with MODEL there instead
+  view=$(mktemp -d "${TMPDIR:-/tmp}/splitserve-peer-view.XXXXXX")
+  trap 'rm -rf "$view"' EXIT
+  for entry in "$PEER"/* "$PEER"/.[!.]*; do
+    [ -e "$entry" ] && [ "$(basename "$entry")" != smollm2-hf ] && ln -s "$entry" "$view/"
+  done
+  ln -s "$MODEL" "$view/smollm2-hf"
+  PEER=$view
+fi
 chunk=$("$PY" - "$CONFIGS" <<'EOF'
 import sys
 import yaml
@@ -81,6 +102,7 @@ OUT=$(cd "$OUT" && pwd)
   echo "kernel: $(uname -r)"
   echo "python: $("$PY" --version 2>&1), torch $("$PY" -c 'import torch; print(torch.__version__)')"
   echo "vllm: $("$PEER/vllm-venv/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null)"
+  echo "model: $APP_MODEL"
   echo "rounds: $ROUNDS; dtypes: $DTYPES; workloads: $WORKLOADS; servers: $SERVERS"
   echo "vllm-matched: --max-num-batched-tokens $chunk (this app's engine.prefill_chunk_tokens)"
   for script in "$PEER_SCRIPTS"/*.sh; do
@@ -91,12 +113,14 @@ cat "$OUT/machine.txt"
 for dtype in $DTYPES; do
   mkdir -p "$OUT/configs/$dtype"
   for cfg in local local-colocated; do
-    "$PY" - "$dtype" "$CONFIGS/$cfg.yaml" "$OUT/configs/$dtype/$cfg.yaml" <<'EOF'
+    "$PY" - "$dtype" "$CONFIGS/$cfg.yaml" "$OUT/configs/$dtype/$cfg.yaml" "$MODEL" <<'EOF'
 import sys, yaml
-dtype, src, dst = sys.argv[1:]
+dtype, src, dst, model = sys.argv[1:]
 config = yaml.safe_load(open(src))
 for app in config["applications"]:
     app["args"]["engine"]["dtype"] = dtype
+    if model:
+        app["args"]["engine"]["model"] = model
 yaml.safe_dump(config, open(dst, "w"), sort_keys=False)
 EOF
   done
@@ -115,7 +139,7 @@ run_one() {  # run_one SERVER DTYPE ROUND_DIR
     *) die "unknown server '$server' (vllm vllm-matched split colocated)" ;;
   esac
   # shellcheck disable=SC2086  # WORKLOADS is a list of words
-  env "${env[@]}" OUT="$dir" SKIP_FLOOR=1 PEER="$PEER" PEER_SCRIPTS="$PEER_SCRIPTS" \
+  env "${env[@]}" OUT="$dir" SKIP_FLOOR=1 PEER="$PEER" APP_MODEL="$APP_MODEL" PEER_SCRIPTS="$PEER_SCRIPTS" \
     flock /tmp/splitserve-ray-cluster.lock load_tests/peer_bench.sh $WORKLOADS \
     >>"$dir/bench_peers.log" 2>&1 || failed+=("$dtype round ${dir##*-} $server")
 }
@@ -127,7 +151,7 @@ for r in $(seq "$ROUNDS"); do
     dir=$OUT/$dtype/round-$r
     mkdir -p "$dir"
     echo "== round $r, $dtype: read bandwidth, then ${order[*]} ($(date +%T))"
-    "$PY" -m load_tests.stream_bw --json "$dir/stream.json" 2>/dev/null | tee "$dir/stream.txt" \
+    "$PY" -m load_tests.stream_bw ${MODEL:+--model "$MODEL"} --json "$dir/stream.json" 2>/dev/null | tee "$dir/stream.txt" \
       || failed+=("$dtype round $r stream_bw")
     for s in "${order[@]}"; do
       echo "   $s"
