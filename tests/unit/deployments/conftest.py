@@ -21,16 +21,21 @@ class _NoMetric:
         return lambda *a, **k: None
 
 
-@pytest.fixture
-def rayless_replicas(monkeypatch, tiny_model) -> None:
-    """Replica classes built in this process: a fixed node id, no-op metrics, and an engine
-    on the tiny model with the suite's thread setting (not the phase's)."""
+def stub_ray_and_metrics(monkeypatch) -> None:
+    """A fixed node id and no-op metrics, for replica classes built in this process."""
     import ray
 
     monkeypatch.setattr(ray, "get_runtime_context",
                         lambda: SimpleNamespace(get_node_id=lambda: "node"))
     for cls in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(metrics, cls, _NoMetric)
+
+
+@pytest.fixture
+def rayless_replicas(monkeypatch, tiny_model) -> None:
+    """Replica classes built in this process: a fixed node id, no-op metrics, and an engine
+    on the tiny model with the suite's thread setting (not the phase's)."""
+    stub_ray_and_metrics(monkeypatch)
     threads = torch.get_num_threads()
     monkeypatch.setattr(replica, "EngineCore", lambda cfg: EngineCore(
         dataclasses.replace(cfg, num_threads=threads), model=tiny_model))

@@ -20,7 +20,6 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,11 +29,12 @@ from app.chat import PromptBuilder
 from app.engine_core import EngineCore
 from app.messages import PrefillRequest, StreamStart
 from app.sampling import SamplingParams
-from deployments import colocated_server, metrics, prefill_server, replica
+from deployments import colocated_server, prefill_server, replica
 from deployments.colocated_server import ColocatedServer
 from deployments.decode_server import DecodeServer
 from deployments.prefill_server import PrefillServer
 from tests.conftest import make_tiny_model
+from tests.unit.deployments.conftest import stub_ray_and_metrics
 
 ROOT = Path(__file__).resolve().parents[3]
 PROMPT = "The split app and the colocated app give one answer for every kind of weight"
@@ -43,14 +43,6 @@ MAX_TOKENS = 12
 # widened one, app.packed_linear.weight_plan)
 KINDS = [("float32", None, {"float32"}), ("bfloat16", None, {"bfloat16", "bfloat16dp"}),
          ("float32", "int8", {"int8", "int8dp"})]
-
-
-class _NoMetric:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +55,9 @@ def model_dir(tmp_path_factory, smollm_tokenizer) -> Path:
 
 @pytest.fixture
 def replicas_here(monkeypatch) -> None:
-    """Replica classes built in this process, each loading its engine from its config (on
-    the suite's thread count)."""
-    import ray
-
-    monkeypatch.setattr(ray, "get_runtime_context",
-                        lambda: SimpleNamespace(get_node_id=lambda: "node"))
-    for cls in ("Counter", "Gauge", "Histogram"):
-        monkeypatch.setattr(metrics, cls, _NoMetric)
+    """Replica classes built in this process (node id and metrics stubbed), each loading
+    its engine from its config (on the suite's thread count)."""
+    stub_ray_and_metrics(monkeypatch)
     threads = torch.get_num_threads()
 
     def core(cfg):
