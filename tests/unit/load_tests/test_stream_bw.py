@@ -51,3 +51,22 @@ def test_bench_peers_says_how_to_set_the_peer_up_and_starts_nothing(tmp_path):
     res = _bench_peers({"PEER": str(tmp_path)})
     assert res.returncode == 2 and "vllm-venv/bin/vllm is missing" in res.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_peers_refuses_a_model_that_is_not_a_model_folder(tmp_path):
+    peer = tmp_path / "peer"
+    (peer / "vllm-venv" / "bin").mkdir(parents=True)
+    (peer / "vllm-venv" / "bin" / "vllm").write_text("#!/bin/sh\n")
+    (peer / "vllm-venv" / "bin" / "vllm").chmod(0o755)
+    (peer / "smollm2-hf").mkdir()
+    (peer / "smollm2-hf" / "config.json").write_text("{}")
+    (peer / "peer").mkdir()
+    for script in ("bench.sh", "start_vllm.sh", "mixed.sh"):
+        (peer / "peer" / script).write_text("#!/bin/sh\n")
+    out = tmp_path / "out"
+    res = _bench_peers({"PEER": str(peer), "MODEL": str(tmp_path / "empty"),
+                        "OUT": str(out)})
+    assert res.returncode == 2
+    assert "is not a model folder (no config.json)" in res.stderr
+    assert not out.exists()  # refused before the results folder or any server
+    assert sorted(p.name for p in peer.iterdir()) == ["peer", "smollm2-hf", "vllm-venv"]
