@@ -129,11 +129,12 @@ async def _colocated(args: dict[str, Any], req: PrefillRequest) -> tuple[list[in
             PrefillRequest("again", req.prompt_token_ids, req.sampling))))
         items += [item async for item in stream]
         assert len(items) == 41
-        return alone, await again
+        answer = await again
+        assert mixed, "the prompt never rode in a decode step"
+        return alone, answer
     finally:
         runner.forward_mixed = forward_mixed
         await _close(server)
-        assert mixed, "the prompt never rode in a decode step"
 
 
 def _cli(model_dir: Path, dtype: str, weights: str | None) -> dict[str, Any]:
