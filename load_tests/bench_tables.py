@@ -80,11 +80,7 @@ def gen_peer_rounds(args: list[str], base: Path) -> str:
         else:
             raise BlockError(f"peer_rounds: no such round folder: {base / r}")
     try:
-        figures = peer_rounds.with_figures(ns.figure)
-    except ValueError as exc:
-        raise BlockError(f"peer_rounds: {exc}") from exc
-    try:
-        table = peer_rounds.load(rounds, ns.servers, figures)
+        table = peer_rounds.load(rounds, ns.servers, peer_rounds.with_figures(ns.figure))
     except ValueError as exc:
         raise BlockError(f"peer_rounds: {exc}") from exc
     return peer_rounds.render(table, ns.servers, ns.baseline)

@@ -113,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline not in args.servers:
         ap.error(f"--baseline {args.baseline} is not one of --servers")
     try:
-        figures = with_figures(args.figure)
-    except ValueError as exc:
-        ap.error(str(exc))
-    try:
-        table = load(args.rounds, args.servers, figures)
+        table = load(args.rounds, args.servers, with_figures(args.figure))
     except ValueError as exc:
         ap.error(str(exc))
     print(render(table, args.servers, args.baseline))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.engine_core import EngineCore
-from deployments import metrics, replica
+from deployments import metrics, prefill_server, replica
 
 
 class _NoMetric:
@@ -21,21 +21,25 @@ class _NoMetric:
         return lambda *a, **k: None
 
 
-def stub_ray_and_metrics(monkeypatch) -> None:
-    """A fixed node id and no-op metrics, for replica classes built in this process."""
+def stub_replicas(monkeypatch, model: torch.nn.Module | None = None) -> None:
+    """Replica classes built in this process: a fixed node id, no-op metrics, and engines on
+    the suite's thread setting (not the phase's), over ``model`` or, without one, the model
+    each replica's config names."""
     import ray
 
     monkeypatch.setattr(ray, "get_runtime_context",
                         lambda: SimpleNamespace(get_node_id=lambda: "node"))
     for cls in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(metrics, cls, _NoMetric)
+    threads = torch.get_num_threads()
+
+    def engine(cfg):
+        return EngineCore(dataclasses.replace(cfg, num_threads=threads), model=model)
+    for module in (replica, prefill_server):  # the modules that build an EngineCore
+        monkeypatch.setattr(module, "EngineCore", engine)
 
 
 @pytest.fixture
 def rayless_replicas(monkeypatch, tiny_model) -> None:
-    """Replica classes built in this process: a fixed node id, no-op metrics, and an engine
-    on the tiny model with the suite's thread setting (not the phase's)."""
-    stub_ray_and_metrics(monkeypatch)
-    threads = torch.get_num_threads()
-    monkeypatch.setattr(replica, "EngineCore", lambda cfg: EngineCore(
-        dataclasses.replace(cfg, num_threads=threads), model=tiny_model))
+    """Replica classes built in this process, their engines on the tiny model."""
+    stub_replicas(monkeypatch, tiny_model)

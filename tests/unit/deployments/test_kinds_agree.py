@@ -13,7 +13,6 @@ for the CLI's text prompt."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import pickle
@@ -26,15 +25,13 @@ import pytest
 import torch
 
 from app.chat import PromptBuilder
-from app.engine_core import EngineCore
 from app.messages import PrefillRequest, StreamStart
 from app.sampling import SamplingParams
-from deployments import colocated_server, prefill_server, replica
 from deployments.colocated_server import ColocatedServer
 from deployments.decode_server import DecodeServer
 from deployments.prefill_server import PrefillServer
 from tests.conftest import make_tiny_model
-from tests.unit.deployments.conftest import stub_ray_and_metrics
+from tests.unit.deployments.conftest import stub_replicas
 
 ROOT = Path(__file__).resolve().parents[3]
 PROMPT = "The split app and the colocated app give one answer for every kind of weight"
@@ -55,16 +52,8 @@ def model_dir(tmp_path_factory, smollm_tokenizer) -> Path:
 
 @pytest.fixture
 def replicas_here(monkeypatch) -> None:
-    """Replica classes built in this process (node id and metrics stubbed), each loading
-    its engine from its config (on the suite's thread count)."""
-    stub_ray_and_metrics(monkeypatch)
-    threads = torch.get_num_threads()
-
-    def core(cfg):
-        return EngineCore(dataclasses.replace(cfg, num_threads=threads))
-    for module in (replica, prefill_server, colocated_server):
-        if hasattr(module, "EngineCore"):
-            monkeypatch.setattr(module, "EngineCore", core)
+    """Replica classes built in this process, each loading the model its config names."""
+    stub_replicas(monkeypatch)
 
 
 def _args(model_dir: Path, dtype: str, weights: str | None, **extra: Any) -> dict[str, Any]:
