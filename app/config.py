@@ -175,9 +175,10 @@ class EngineConfig:
     attention kernel reads it (the CPU, float32 or bfloat16: half the pool's memory and the
     bytes a step's attention reads; else the model's dtype); None: the same as dtype."""
     weights: str | None = None
-    """None: the linear weights in the dtype; "int8": weight-only int8, one scale per output
-    channel, quantized at load (CPU only: the engine's panel kernel, activations float32;
-    app.packed_linear)."""
+    """None: the linear weights in the dtype, or a compressed-tensors int8 checkpoint's own
+    integers and scales in int8 panels (W8A16; app.quantized_checkpoint); "int8": weight-only
+    int8, one scale per output channel, quantized at load (CPU only: the engine's panel
+    kernel, activations float32; app.packed_linear)."""
     device: str = "cpu"
     """Where the model runs: cpu, cuda or cuda:N."""
     device_map: str | None = None

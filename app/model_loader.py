@@ -36,6 +36,7 @@ from app.packed_linear import (
     weight_kind,
     weight_plan,
 )
+from app.quantized_checkpoint import int8_format, load_int8_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +89,7 @@ def resolve_model(model: str) -> ModelSource:
         return ModelSource("gguf", str(path.resolve().parent), path.name)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelLoadError(
-                f"directory {model!r} has no config.json: not a Hugging Face model"
-            )
+            raise ModelLoadError(f"directory {model!r} has no config.json: not an HF model")
         return ModelSource("hf_dir", str(path.resolve()))
     if path.exists() or model.startswith((".", "/", "~")):
         raise ModelLoadError(f"model path {model!r} is neither a .gguf file nor a model directory")
@@ -174,7 +173,9 @@ def local_model_dir(source: ModelSource, cache_dir: Path) -> str:
     return str(target)
 
 
-def _hub_error(source: ModelSource, exc: Exception) -> ModelLoadError:
+def _load_error(source: ModelSource, what: str, exc: Exception) -> ModelLoadError:
+    if source.kind != "hub":
+        return ModelLoadError(f"could not load {what}: {exc}")
     return ModelLoadError(
         f"could not load {source.location!r} from the Hugging Face hub or its local cache "
         f"({type(exc).__name__}: {exc}). Download it where the hub is reachable "
@@ -192,9 +193,7 @@ def load_tokenizer(config: EngineConfig):  # -> PreTrainedTokenizerBase
     try:
         return AutoTokenizer.from_pretrained(where, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError) as exc:  # missing files; unreadable config/tokenizer
-        if source.kind == "hub":
-            raise _hub_error(source, exc) from exc
-        raise ModelLoadError(f"could not load the tokenizer of {config.model!r}: {exc}") from exc
+        raise _load_error(source, f"the tokenizer of {config.model!r}", exc) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,15 +281,21 @@ def check_placement(model: torch.nn.Module, config: EngineConfig) -> None:
 
 
 def load_model(config: EngineConfig) -> torch.nn.Module:
-    """Load the causal LM in ``config.dtype`` on ``config.device`` (spread over GPUs with
-    ``config.device_map``), in eval mode."""
-    from transformers import AutoModelForCausalLM
+    """The causal LM in ``config.dtype`` on ``config.device`` (over GPUs: ``device_map``), in
+    eval mode; an int8 checkpoint's own integers in its panels (app.quantized_checkpoint)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     source = resolve_model(config.model)
     where = local_model_dir(source, config.resolved_cache_dir)
     placement = placement_kwargs(config, visible_gpu_memory() if config.device_map else [])
     try:
-        dtype, kind, why = weight_plan(config)
+        hf_config = AutoConfig.from_pretrained(where, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as exc:  # missing files; an unreadable config
+        raise _load_error(source, f"model {config.model!r}", exc) from exc
+    if (int8 := int8_format(hf_config) is not None) and config.device_map:
+        raise ModelLoadError("an int8 checkpoint loads on one device: unset device_map")
+    try:
+        dtype, kind, why = weight_plan(config, int8_checkpoint=int8)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
     # bf16 through torch's modules (the kernel unavailable) is the slow path: a WARNING
@@ -298,17 +303,12 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
                "dtype %s (%s); weights: %s", config.resolved_dtype,
                resolve_dtype(config.dtype, config.device)[1], why)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            where,
-            dtype=dtype,
-            attn_implementation="sdpa",
-            trust_remote_code=config.trust_remote_code,
-            **placement,
-        )
-    except (OSError, ValueError) as exc:  # missing files; unreadable config/tokenizer
-        if source.kind == "hub":
-            raise _hub_error(source, exc) from exc
-        raise ModelLoadError(f"could not load model {config.model!r}: {exc}") from exc
+        model = load_int8_checkpoint(where, hf_config).to(dtype) if int8 else (
+            AutoModelForCausalLM.from_pretrained(
+                where, dtype=dtype, attn_implementation="sdpa",
+                trust_remote_code=config.trust_remote_code, **placement))
+    except (OSError, ValueError) as exc:  # missing files; unreadable weights
+        raise _load_error(source, f"model {config.model!r}", exc) from exc
     check_architecture(model)
     if config.device_map is None:
         model = model.to(config.device)

@@ -39,13 +39,15 @@ from torch import nn
 from app.config import LINEAR_LAYOUTS as LAYOUTS
 from app.config import EngineConfig, dtype_name
 from app.cpu_kernels import WTYPES, check, kernel_unavailable, load_kernel
+from app.quantized_checkpoint import CHECKPOINT_INT8
 
 # Rows the blocked layout is tuned for. 8 served 1 to 256 rows as well as or better than
 # 1, 32 or 256 did on this project's CPU (a 2-core AMD EPYC, AVX2).
 BATCH_HINT = 8
 
 
-def weight_plan(config: EngineConfig) -> tuple[torch.dtype, str | None, str]:
+def weight_plan(config: EngineConfig,
+                int8_checkpoint: bool = False) -> tuple[torch.dtype, str | None, str]:
     """How a CPU engine holds and computes its linear weights: (the dtype the model computes
     in, what its panels hold or None to leave packing to ``kernels.linear``, why).
 
@@ -55,11 +57,13 @@ def weight_plan(config: EngineConfig) -> tuple[torch.dtype, str | None, str]:
     product; ``bfloat16``: widened to float32 in registers) or int8 (``int8dp``: in pairs for
     the CPU's 16-bit integer dot product where it has AVX512-VNNI, the inputs entering as
     16-bit integers per block of 256; ``int8``: widened); where the panel kernel is not to be
-    had, bfloat16 runs through torch's modules in bf16, and int8 raises ``ValueError``."""
+    had, bfloat16 runs through torch's modules in bf16, and int8 raises ``ValueError``.
+    ``int8_checkpoint`` (the checkpoint holds int8 weights, app.quantized_checkpoint): int8
+    panels as with weights: int8, or without the kernel its weights dequantized."""
     dtype = config.torch_dtype
     if config.device != "cpu":
         return dtype, None, "not on the CPU"
-    want = "int8" if config.weights == "int8" else dtype_name(dtype)
+    want = "int8" if config.weights == "int8" or int8_checkpoint else dtype_name(dtype)
     if want == "float32":
         return dtype, None, "float32"
     layout = config.kernels.linear
@@ -67,8 +71,11 @@ def weight_plan(config: EngineConfig) -> tuple[torch.dtype, str | None, str]:
         None if layout != "onednn" else "kernels.linear onednn is float32 only"
     ) or kernel_unavailable(config.resolved_cache_dir)
     if reason is not None:
-        if want == "int8":
+        if want == "int8" and config.weights == "int8":
             raise ValueError(f"weights: int8 needs the engine's panel kernel: {reason}")
+        if want == "int8":
+            return dtype, None, (f"the checkpoint's int8 weights dequantized to "
+                                 f"{dtype_name(dtype)}, torch's modules: {reason}")
         return dtype, None, f"{want} through torch's modules: {reason}"
     lib = load_kernel(config.resolved_cache_dir)
     if want == "bfloat16" and lib.panel_has_avx512bf16():
@@ -184,8 +191,8 @@ class PanelLinear(nn.Module):
             self._lib.panel_pack(w.data_ptr(), w.stride(0), n, k, panels.data_ptr())
             self.weight = linear.weight
         else:
-            if weights in ("int8", "int8dp"):
-                w, scale = quantize_int8(linear.weight)
+            if weights in ("int8", "int8dp"):  # a checkpoint's own, else quantized here
+                w, scale = getattr(linear, CHECKPOINT_INT8, None) or quantize_int8(linear.weight)
             else:
                 w = linear.weight.detach().to(torch.bfloat16).contiguous()
             if weights in ("bfloat16dp", "int8dp"):  # pairs of k, for the dot products

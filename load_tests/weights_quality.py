@@ -12,7 +12,10 @@ for comparison: what a bf16 server computes), over a fixed set of prompts:
   variant's top token is float32's.
 
     python -m load_tests.weights_quality [--model smollm2-135m-instruct] [--max-new 32]
-        [--json PATH]
+        [--int8-checkpoint DIR] [--json PATH]
+
+``--int8-checkpoint``: also a compressed-tensors int8 checkpoint of the same model (e.g.
+``python -m load_tests.int8_checkpoint DIR``), its own integers in the engine's int8 panels.
 
 Prints the machine's CPU model and flags with the figures.
 """
@@ -84,8 +87,11 @@ def logprobs(model, ids: list[int], cont: list[int]) -> tuple[torch.Tensor, torc
     return lp.gather(1, torch.tensor(cont)[:, None])[:, 0], lp.argmax(dim=-1)
 
 
-def measure(model_name: str, max_new: int) -> dict:
+def measure(model_name: str, max_new: int, checkpoint: Path | None = None) -> dict:
     base = EngineConfig(model=model_name)
+    variants = dict(VARIANTS)
+    if checkpoint is not None:
+        variants["int8 checkpoint"] = {"model": str(checkpoint)}
     tok = load_tokenizer(base)
     prompts = [tok.encode(p) for p in PROMPTS]
     ref = load_model(replace(base, kernels=KernelConfig(linear="torch")))
@@ -93,7 +99,7 @@ def measure(model_name: str, max_new: int) -> dict:
     ref_lp = [logprobs(ref, ids, c)[0] for ids, c in zip(prompts, conts, strict=True)]
     del ref
     results = {}
-    for name, overrides in VARIANTS.items():
+    for name, overrides in variants.items():
         model = load_model(replace(base, **overrides))
         same, before, diffs, top = 0, [], [], []
         for ids, cont, want in zip(prompts, conts, ref_lp, strict=True):
@@ -119,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--int8-checkpoint", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    results = measure(args.model, args.max_new)
+    results = measure(args.model, args.max_new, args.int8_checkpoint)
     print(f"CPU: {cpu_facts()}")
     print(f"model {args.model}, {len(PROMPTS)} prompts, {args.max_new} greedy tokens each, "
           "against the float32 model")

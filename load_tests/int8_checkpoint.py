@@ -1,0 +1,94 @@
+"""Write a model as a compressed-tensors int8 weight-only checkpoint (W8A16), the way
+llm-compressor's min-max scheme writes one: every linear but ``lm_head`` as 8-bit symmetric
+integers with one scale per output channel (largest magnitude / 127.5, integers in
+[-128, 127]), packed four to a 32-bit word (``pack-quantized``) or kept as int8
+(``int-quantized``); the rest as it is. The engine serves such a folder's own integers
+(app.quantized_checkpoint); this writes one where no quantizer is installed, for the tests
+and for BENCHMARKS' quality figures.
+
+    python -m load_tests.int8_checkpoint OUT_DIR [--model smollm2-135m-instruct]
+        [--format pack-quantized]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+GROUP = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+         "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                     "group_size": None, "dynamic": False, "actorder": None,
+                     "observer": "minmax"}}
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max symmetric int8, a scale per row: (int8 [out, in], scale [out, 1])."""
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.5
+    return torch.clamp(torch.round(w / scale), -128, 127).to(torch.int8), scale
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """Four integers a 32-bit word, each plus 128, the first in the lowest byte."""
+    u = q.to(torch.int32) + 128
+    u = nn.functional.pad(u, (0, -u.shape[1] % 4)).view(u.shape[0], -1, 4)
+    return (u << torch.tensor([0, 8, 16, 24], dtype=torch.int32)).sum(2, dtype=torch.int32)
+
+
+def write(model: nn.Module, folder: Path, fmt: str = "pack-quantized", tokenizer=None,
+          **scheme: object) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``model``'s linears but lm_head as int8 in ``fmt`` (``scheme`` overrides what the
+    config says of the weights); returns the integers and scales (float32 [out]) written,
+    by module name."""
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
+             or not model.config.tie_word_embeddings}
+    tensors, written = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name != "lm_head":
+            q, scale = quantize(state.pop(name + ".weight").float())
+            if fmt == "pack-quantized":
+                tensors[name + ".weight_packed"] = pack(q)
+                tensors[name + ".weight_shape"] = torch.tensor(q.shape, dtype=torch.int32)
+            else:
+                tensors[name + ".weight"] = q
+            tensors[name + ".weight_scale"] = scale.bfloat16()
+            written[name] = (q, scale.bfloat16().float().reshape(-1))
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({**state, **tensors}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    group = json.loads(json.dumps(GROUP))
+    group["weights"].update(scheme)
+    config = model.config.to_dict()
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    from app.config import DEFAULT_MODEL, EngineConfig, KernelConfig
+    from app.model_loader import load_model, load_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--format", choices=("pack-quantized", "int-quantized"),
+                    default="pack-quantized")
+    args = ap.parse_args(argv)
+    config = EngineConfig(model=args.model, kernels=KernelConfig(linear="torch"))
+    written = write(load_model(config), args.out, args.format, load_tokenizer(config))
+    print(f"{len(written)} linears as int8 ({args.format}) in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
