@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("pack-quantized", "int-quantized"),
                     default="pack-quantized")
     args = ap.parse_args(argv)
-    config = EngineConfig(model=args.model, kernels=KernelConfig(linear="torch"))
+    config = EngineConfig(model=args.model, dtype="float32", kernels=KernelConfig(linear="torch"))
     written = write(load_model(config), args.out, args.format, load_tokenizer(config))
     print(f"{len(written)} linears as int8 ({args.format}) in {args.out}")
     return 0
