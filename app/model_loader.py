@@ -303,7 +303,7 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
                "dtype %s (%s); weights: %s", config.resolved_dtype,
                resolve_dtype(config.dtype, config.device)[1], why)
     try:
-        model = load_int8_checkpoint(where, hf_config).to(dtype) if int8 else (
+        model = load_int8_checkpoint(where, hf_config, kind is not None).to(dtype) if int8 else (
             AutoModelForCausalLM.from_pretrained(
                 where, dtype=dtype, attn_implementation="sdpa",
                 trust_remote_code=config.trust_remote_code, **placement))

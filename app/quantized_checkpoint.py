@@ -149,10 +149,11 @@ def _read(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     return tensors, quantized
 
 
-def load_int8_checkpoint(where: str, hf_config: Any):
+def load_int8_checkpoint(where: str, hf_config: Any, keep_integers: bool = True):
     """The causal LM of a compressed-tensors int8 checkpoint (a folder or a hub id), in
     float32 over the dequantized weights, each quantized linear keeping the checkpoint's
-    integers and scales in ``CHECKPOINT_INT8``."""
+    integers and scales in ``CHECKPOINT_INT8`` where ``keep_integers`` (int8 panels will
+    take them; elsewhere they would only hold memory)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     folder = Path(where)
@@ -178,7 +179,8 @@ def load_int8_checkpoint(where: str, hf_config: Any):
         raise ModelLoadError(f"quantized weights for modules the model has no linear for: "
                              f"{missing[:5]}")
     for prefix, pair in quantized.items():
-        setattr(modules[prefix], CHECKPOINT_INT8, pair)
+        if keep_integers:
+            setattr(modules[prefix], CHECKPOINT_INT8, pair)
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     logger.info("int8 checkpoint: %d linears' integers and scales taken as they are",

@@ -23,7 +23,7 @@ from app.engine_core import EngineCore
 from app.errors import ModelLoadError
 from app.model_loader import load_model
 from app.packed_linear import PanelLinear, quantize_int8, weight_kind, weight_plan
-from app.quantized_checkpoint import int8_format, unpack_int32
+from app.quantized_checkpoint import CHECKPOINT_INT8, int8_format, unpack_int32
 from load_tests.int8_checkpoint import GROUP, pack, write
 from tests.conftest import engine_greedy, hf_greedy, make_tiny_model
 from tests.unit.app.test_weight_kinds import PROMPTS, _inputs
@@ -82,6 +82,7 @@ def test_without_the_kernel_the_checkpoint_is_dequantized(checkpoint):
     model = load_model(config)
     q, scale = written["model.layers.0.mlp.down_proj"]
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, q.float() * scale[:, None])
+    assert not any(hasattr(m, CHECKPOINT_INT8) for m in model.modules())  # no int8 copies held
     with pytest.raises(ValueError, match="int8 needs the engine's panel kernel"):
         weight_plan(EngineConfig(weights="int8", kernels={"linear": "torch"}),
                     int8_checkpoint=True)
