@@ -116,3 +116,19 @@ def test_a_refused_checkpoint_fails_the_load_clearly(tmp_path):
     write(make_tiny_model(seed=1), tmp_path, "pack-quantized", num_bits=4)
     with pytest.raises(ModelLoadError, match="weights of 4 bits"):
         load_model(EngineConfig(model=str(tmp_path)))
+
+
+def test_a_hub_id_is_fetched_with_only_its_configs_and_safetensors(checkpoint, monkeypatch):
+    import huggingface_hub
+    from transformers import AutoConfig
+
+    from app.quantized_checkpoint import load_int8_checkpoint
+
+    folder, written = checkpoint
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kw: asked.append((repo, kw)) or str(folder))
+    model = load_int8_checkpoint("org/w8a16", AutoConfig.from_pretrained(folder))
+    assert asked == [("org/w8a16", {"allow_patterns": ["*.json", "*.safetensors"]})]
+    q, _ = written["model.layers.1.self_attn.o_proj"]
+    assert torch.equal(getattr(model.model.layers[1].self_attn.o_proj, CHECKPOINT_INT8)[0], q)
