@@ -181,6 +181,10 @@ def _add_profile_parser(sub: Any) -> None:
     pp.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
     pp.add_argument("--dtype", default="auto",
                     help="engine.dtype to profile (auto: what the serve configs resolve to)")
+    pp.add_argument("--weights", choices=("int8",), default=None,
+                    help="engine.weights to profile (int8: weight-only int8 panels)")
+    pp.add_argument("--model", default=None, help="engine.model to profile (default: the "
+                    "embedded SmolLM2; a compressed-tensors int8 checkpoint runs int8 panels)")
     pp.add_argument("--main-thread", action="store_true",
                     help="time the passes on the calling thread (default: one worker thread, as "
                     "a replica's engine thread runs them)")
@@ -274,7 +278,8 @@ def _cmd_profile(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
 
     prof = run_profile(Path(args.out), threads=[int(t) for t in args.threads.split(",")],
                        hop=not args.no_hop, quick=args.quick,
-                       worker_thread=not args.main_thread, dtype=args.dtype)
+                       worker_thread=not args.main_thread, dtype=args.dtype,
+                       weights=args.weights, model=args.model)
     print(json.dumps(prof["devices"], indent=1))
     print(f"profile: {args.out}")
     return 0

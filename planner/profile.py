@@ -70,7 +70,7 @@ def _median_time(fn: Callable[[], object], repeats: int) -> float:
 
 def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = None,
                    quick: bool = False, worker_thread: bool = True,
-                   dtype: str = "auto") -> dict[str, Any]:
+                   dtype: str = "auto", weights: str | None = None) -> dict[str, Any]:
     """Time prefill and decode passes of the app's engine with ``num_threads`` torch threads.
 
     By default on the engine's own thread, which also loaded the model, as a replica runs
@@ -80,7 +80,8 @@ def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = No
     from app.engine_core import EngineCore
 
     core = EngineCore(EngineConfig(model=model or DEFAULT_MODEL, num_threads=num_threads,
-                                   dtype=dtype))  # auto: what the serve configs run
+                                   dtype=dtype,  # auto: what the serve configs run
+                                   weights=weights))  # int8: weight-only int8 panels
     if not worker_thread:
         return _time_passes(core, num_threads, repeats, quick)
     result = core.thread.submit(_time_passes, core, num_threads, repeats, quick).result()
@@ -92,6 +93,7 @@ def _time_passes(core: Any, num_threads: int, repeats: int, quick: bool) -> dict
 
     from app.kv_cache import DEFAULT_BLOCK_SIZE, contiguous_tables
     from app.messages import PrefillRequest
+    from app.model_loader import model_dtype
     from app.prefill import Prefiller
     from app.sampling import SamplingParams
 
@@ -137,6 +139,7 @@ def _time_passes(core: Any, num_threads: int, repeats: int, quick: bool) -> dict
     return {
         "num_threads": num_threads,
         "model": cfg.model,
+        "kind": model_dtype(core.model),  # float32+int8dp: int8 panels under float32
         "kv_bytes_per_token": runner.layout.bytes_per_token(),
         "prefill": prefill,
         "decode": decode,
@@ -345,16 +348,18 @@ def device_from_measurement(engine: dict[str, Any], hop: dict[str, Any] | None, 
         power_decode_w=CPU_WATTS_BUSY_PER_CORE * cores,
         power_idle_w=CPU_WATTS_IDLE_PER_CORE * cores,
         source=f"measured on {platform.node()} ({platform.processor() or platform.machine()}), "
-               f"{cores} torch thread(s), {engine['model']}; KV hop {where}; power and price "
+               f"{cores} torch thread(s), {engine['model']} ({engine.get('kind', '?')}); KV hop "
+               f"{where}; power and price "
                "assumed (see planner/profile.py)",
     )
 
 
 def run_profile(out: Path, *, threads: Sequence[int] = (1, 2), hop: bool = True,
                 quick: bool = False, model: str | None = None,
-                worker_thread: bool = True, dtype: str = "auto") -> dict[str, Any]:
+                worker_thread: bool = True, dtype: str = "auto",
+                weights: str | None = None) -> dict[str, Any]:
     engines = {str(t): measure_engine(t, quick=quick, model=model, repeats=2 if quick else 3,
-                                      worker_thread=worker_thread, dtype=dtype)
+                                      worker_thread=worker_thread, dtype=dtype, weights=weights)
                for t in threads}
     hop_data = measure_hop(repeats=3 if quick else 5) if hop else None
     profile = {
@@ -362,6 +367,7 @@ def run_profile(out: Path, *, threads: Sequence[int] = (1, 2), hop: bool = True,
         "machine": {"node": platform.node(), "processor": platform.processor(),
                     "machine": platform.machine()},
         "dtype": dtype,
+        "weights": weights,
         "engines": engines,
         "hop": hop_data,
         "devices": {f"cpu-{t}t": device_from_measurement(e, hop_data).to_dict()

@@ -167,6 +167,31 @@ def test_the_engine_profile_times_cold_prefills_never_a_cached_prompt(monkeypatc
     result = profile._time_passes(core, 1, repeats=2, quick=True)
     assert len(result["prefill"]) > 1 and len(seen) > 2 * len(result["prefill"])
     assert len(seen) == len(set(seen))
+    assert result["kind"] == "float32"  # what the passes ran over, in the profile
+
+
+def test_cli_profile_takes_the_model_and_its_weights(monkeypatch, tmp_path, capsys):
+    """`planner profile --weights int8 --model M` profiles the engine those settings build."""
+    from planner import profile
+
+    asked = {}
+
+    def fake_measure(threads, **kw):
+        asked[threads] = kw
+        return {"num_threads": threads, "model": kw["model"], "kind": "float32+int8dp",
+                "kv_bytes_per_token": 1000,
+                "prefill": [{"rows": 1, "longest": n, "seconds": 0.001 * n} for n in (16, 64)],
+                "decode": [{"batch": b, "span": 64, "seconds": 0.01 + 0.001 * b}
+                           for b in (1, 8)]}
+
+    monkeypatch.setattr(profile, "measure_engine", fake_measure)
+    out = tmp_path / "p.json"
+    assert planner_main(["profile", "--out", str(out), "--threads", "1", "--no-hop",
+                         "--weights", "int8", "--model", "/m"]) == 0
+    assert asked[1]["weights"] == "int8" and asked[1]["model"] == "/m"
+    saved = json.loads(out.read_text())
+    assert saved["weights"] == "int8"
+    assert "(float32+int8dp)" in saved["devices"]["cpu-1t"]["source"]
 
 
 def test_device_from_measurement_fits_passes_and_hop():
