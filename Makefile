@@ -22,7 +22,8 @@ setup: $(STAMP)
 # The suite, then the kernels' tests again kept to an AVX2-only CPU's paths (about 50 s): the
 # AVX-512, bf16 and VNNI paths report absent, so a CPU that has them still checks the paths
 # an AVX2 machine takes (SPLITSERVE_KERNEL_ISA, app/config.py; torch kept to AVX2 alike),
-# and the split, colocated and CLI answers agree over the widened bf16 and int8 panels too.
+# and the split, colocated and CLI answers agree over the widened bf16 and int8 panels too,
+# as an int8 checkpoint's own integers do through the widened int8 panels.
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-kernels-avx2
@@ -30,7 +31,7 @@ test: setup
 test-kernels-avx2: setup
 	SPLITSERVE_KERNEL_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 \
 	$(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS) \
-	  tests/unit/deployments/test_kinds_agree.py
+	  tests/unit/deployments/test_kinds_agree.py tests/unit/app/test_int8_checkpoint.py
 
 test-unit: setup
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
