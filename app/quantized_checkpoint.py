@@ -124,8 +124,11 @@ def _read(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
 
     tensors: dict[str, torch.Tensor] = {}
     for shard in _shards(folder):
-        with safe_open(str(shard), framework="pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys()})
+        except Exception as exc:  # a truncated or foreign file: say which
+            raise ModelLoadError(f"could not read {shard}: {exc}") from exc
     quantized: dict[str, tuple] = {}
     for key in [k for k in tensors if k.endswith(".weight_scale")]:
         prefix = key[: -len(".weight_scale")]
@@ -135,11 +138,14 @@ def _read(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
             raise ModelLoadError(f"{prefix} has a nonzero zero point: {SCHEME} only")
         if prefix + ".weight_g_idx" in tensors:
             raise ModelLoadError(f"{prefix} has an activation order (weight_g_idx)")
-        if prefix + ".weight_packed" in tensors:
-            shape = tuple(int(s) for s in tensors.pop(prefix + ".weight_shape").tolist())
-            q = unpack_int32(tensors.pop(prefix + ".weight_packed"), shape)
-        else:
-            q = tensors.pop(prefix + ".weight")
+        try:
+            if prefix + ".weight_packed" in tensors:
+                shape = tuple(int(s) for s in tensors.pop(prefix + ".weight_shape").tolist())
+                q = unpack_int32(tensors.pop(prefix + ".weight_packed"), shape)
+            else:
+                q = tensors.pop(prefix + ".weight")
+        except KeyError as exc:
+            raise ModelLoadError(f"{prefix} has a weight_scale but no {exc}") from exc
         if q.dtype != torch.int8 or q.dim() != 2:
             raise ModelLoadError(f"{prefix}'s weight is {q.dtype} {tuple(q.shape)}, not int8")
         if scale.numel() not in (1, q.shape[0]):

@@ -132,3 +132,18 @@ def test_a_hub_id_is_fetched_with_only_its_configs_and_safetensors(checkpoint, m
     assert asked == [("org/w8a16", {"allow_patterns": ["*.json", "*.safetensors"]})]
     q, _ = written["model.layers.1.self_attn.o_proj"]
     assert torch.equal(getattr(model.model.layers[1].self_attn.o_proj, CHECKPOINT_INT8)[0], q)
+
+
+def test_a_broken_checkpoint_says_what_is_wrong(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    write(make_tiny_model(seed=1), tmp_path, "pack-quantized")
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.0.mlp.up_proj.weight_shape"]
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match="up_proj has a weight_scale but no"):
+        load_model(EngineConfig(model=str(tmp_path)))
+    path.write_bytes(path.read_bytes()[:1000])  # truncated
+    with pytest.raises(ModelLoadError, match=r"could not read .*model\.safetensors"):
+        load_model(EngineConfig(model=str(tmp_path)))
