@@ -49,13 +49,12 @@ def _quant_dict(hf_config: Any) -> dict[str, Any] | None:
 
 
 def int8_format(hf_config: Any) -> str | None:
-    """The compressed-tensors format of a checkpoint whose linears hold int8 weights the
+    """The compressed-tensors format(s) of a checkpoint whose linears hold int8 weights the
     engine serves as they are, or None for a checkpoint that is not compressed-tensors.
     Raises ``ModelLoadError`` for a compressed-tensors scheme the int8 panels cannot hold."""
     qc = _quant_dict(hf_config)
     if not qc or qc.get("quant_method") != "compressed-tensors":
         return None
-    fmt = qc.get("format")
     problems = []
     if qc.get("quantization_status", "compressed") != "compressed":
         problems.append(f"quantization_status {qc.get('quantization_status')!r}")
@@ -66,16 +65,16 @@ def int8_format(hf_config: Any) -> str | None:
     groups = qc.get("config_groups") or {}
     if not groups:
         problems.append("no config_groups")
+    formats = {group.get("format") or qc.get("format") for group in groups.values()}
     for name, group in groups.items():
-        fmt = group.get("format") or fmt
         problems += [f"{name}: {p}" for p in _group_problems(group)]
-    if fmt not in FORMATS:
-        problems.append(f"format {fmt!r} (the engine reads {', '.join(FORMATS)})")
+    problems += [f"format {f!r} (the engine reads {', '.join(FORMATS)})"
+                 for f in sorted(formats - set(FORMATS), key=str)]
     if problems:
         raise ModelLoadError(
             "this compressed-tensors checkpoint cannot be served: the engine's int8 panels "
             f"take {SCHEME}; found " + "; ".join(problems))
-    return fmt
+    return ", ".join(sorted(formats))
 
 
 def _group_problems(group: dict[str, Any]) -> list[str]:
