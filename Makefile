@@ -42,7 +42,7 @@ test-unit: setup
 KERNEL_TESTS := tests/unit/app/test_kernel_boundary.py tests/unit/app/test_cpu_kernels.py \
 	tests/unit/app/test_weight_kinds.py tests/unit/app/test_fused_decode.py \
 	tests/unit/app/test_prefill_attention.py tests/unit/app/test_prefill_attention_bf16.py \
-	tests/unit/app/test_fused_layers.py
+	tests/unit/app/test_fused_layers.py tests/unit/app/test_int8_groups.py
 test-kernels-asan: setup
 	SPLITSERVE_KERNEL_CFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -g" \
 	SPLITSERVE_CACHE=$(CURDIR)/.cache-asan \

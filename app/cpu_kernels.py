@@ -78,6 +78,18 @@ BUILD_TIMEOUT_S = 300.0
 # (bfloat16dp: bf16 panels in pairs of k for the CPU's bf16 dot product, panel_bf16dp.c;
 # int8dp: int8 panels in pairs for its 16-bit integer dot product, panel_i8dp.c)
 WTYPES = {"float32": 0, "bfloat16": 1, "int8": 2, "bfloat16dp": 3, "int8dp": 4}
+I8_GROUP_SHIFT = 8  # kernels.h: a group of k rides in a wtype's upper bits
+
+
+def wtype_code(weights: str, group: int = 0) -> int:
+    """panel_linear_w's wtype for panels of ``weights`` (a WTYPES kind), int8dp's with a
+    scale per ``group`` of k (0: per output). Raises ``ValueError`` for a kind it lacks or a
+    group on another kind."""
+    if weights not in WTYPES:
+        raise ValueError(f"weights must be one of {sorted(WTYPES)}, got {weights!r}")
+    if group and weights != "int8dp":
+        raise ValueError(f"a scale per group of k needs int8dp panels, not {weights}")
+    return WTYPES[weights] | (group << I8_GROUP_SHIFT)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

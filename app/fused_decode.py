@@ -31,7 +31,7 @@ import ctypes
 import torch
 
 from app.attention import PagedDecodeStep
-from app.cpu_kernels import WTYPES, assert_kernel_tensors, check, load_kernel
+from app.cpu_kernels import assert_kernel_tensors, check, load_kernel
 from app.kv_cache import PagedKVCache
 from app.packed_linear import PanelLinear
 
@@ -61,8 +61,8 @@ def fused_layers_unavailable(model: torch.nn.Module) -> str | None:
     linears.append(model.lm_head)
     if not all(type(lin) is PanelLinear for lin in linears):
         return "the linear layers are not panel-packed (kernels.linear)"
-    if len({lin.weights for lin in linears}) != 1:
-        return "the linear layers' panels hold different kinds of weight"
+    if len({lin.wtype for lin in linears}) != 1:
+        return "the linear layers' panels hold different kinds of weight (or int8 groups)"
     if any(lin.panels.device.type != "cpu" for lin in linears):
         return "the model is not on the CPU"
     attn = layers[0].self_attn
@@ -92,7 +92,8 @@ def _side_by_side(linears: list[PanelLinear]
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One panel buffer for several products over the same input, the products' outputs
     side by side; each layer's ``panels`` becomes a view of it. Their biases likewise (zeros
-    for a layer without), or None when none has one; and int8 panels' scales (else None)."""
+    for a layer without), or None when none has one; and int8 panels' scales as the kernel
+    reads them, side by side likewise (else None)."""
     whole = torch.cat([lin.panels for lin in linears])
     start = 0
     for lin in linears:
@@ -100,8 +101,8 @@ def _side_by_side(linears: list[PanelLinear]
         lin.panels = whole[start : start + n]
         start += n
     scales = None
-    if linears[0].weight_scale is not None:
-        scales = torch.cat([lin.weight_scale for lin in linears]).contiguous()
+    if linears[0].kernel_scale is not None:  # [n] or grouped [groups, n]: along the outputs
+        scales = torch.cat([lin.kernel_scale for lin in linears], dim=-1).contiguous()
     if all(lin._bias is None for lin in linears):
         return whole, None, scales
     bias = torch.cat([lin._bias if lin._bias is not None
@@ -128,7 +129,7 @@ def layer_weights(model: torch.nn.Module) -> list[list[torch.Tensor | None]]:
             o.panels, o._bias,
             layer.post_attention_layernorm.weight.detach().float().contiguous(),
             gate_up, gate_up_bias, down.panels, down._bias,
-            qkv_scale, o.weight_scale, gate_up_scale, down.weight_scale])
+            qkv_scale, o.kernel_scale, gate_up_scale, down.kernel_scale])
     return tables
 
 
@@ -221,7 +222,7 @@ class FusedDecode:
         self.lm_head = model.lm_head
         self.vocab = model.lm_head.out_features
         self.weights = self.lm_head.weights
-        self.wtype = WTYPES[self.weights]
+        self.wtype = self.lm_head.wtype
         # per layer, what decode_step.c's pointer table holds, in its order, but the KV pool
         # (its last two); held here: the table points into them
         self._weights = layer_weights(model) if weights is None else weights
@@ -267,7 +268,7 @@ class FusedDecode:
             self.lm_head.panels.data_ptr(),
             None if head_bias is None else head_bias.data_ptr(), self.vocab,
             logits.data_ptr(), torch.get_num_threads(), self.wtype,
-            None if self.lm_head.weight_scale is None else self.lm_head.weight_scale.data_ptr(),
+            None if self.lm_head.kernel_scale is None else self.lm_head.kernel_scale.data_ptr(),
             cache.layers[0].dtype == torch.bfloat16)
         check(rc, "decode_step")
         return logits

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from app.attention import MixedCacheView, paged_attention
-from app.cpu_kernels import WTYPES, assert_kernel_tensors, check, load_kernel
+from app.cpu_kernels import assert_kernel_tensors, check, load_kernel
 from app.fused_decode import PointerTables
 from app.prefill_inputs import PrefillCollector
 
@@ -62,7 +62,7 @@ class FusedLayers:
         self.head_dim = attn.head_dim
         self.inter = cfg.intermediate_size
         self.eps = float(model.model.norm.variance_epsilon)
-        self.wtype = WTYPES[model.lm_head.weights]
+        self.wtype = model.lm_head.wtype
         self.weights = weights
         assert len(weights) == len(self.attn)
         self._buffers = threading.local()  # each thread's, see _buffer

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from app.config import DEFAULT_MODEL, EngineConfig, dtype_name, resolve_dtype
+from app.config import DEFAULT_MODEL, EngineConfig, dtype_name, resolve_dtype, weight_group
 from app.errors import ModelLoadError
 from app.packed_linear import (
     pack_linears,
@@ -36,7 +36,7 @@ from app.packed_linear import (
     weight_kind,
     weight_plan,
 )
-from app.quantized_checkpoint import int8_format, load_int8_checkpoint
+from app.quantized_checkpoint import int8_format, int8_group, load_int8_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -295,18 +295,19 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     if (int8 := int8_format(hf_config) is not None) and config.device_map:
         raise ModelLoadError("an int8 checkpoint loads on one device: unset device_map")
     try:
-        dtype, kind, why = weight_plan(config, int8_checkpoint=int8)
+        group = int8_group(hf_config) if int8 else weight_group(config.weights)
+        dtype, kind, why = weight_plan(config, int8_checkpoint=int8, int8_group=group)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    # bf16 through torch's modules (the kernel unavailable) is the slow path: a WARNING
-    logger.log(logging.WARNING if "torch's modules" in why else logging.INFO,
+    # a WARNING for bf16 through torch's modules (no kernel), or for grouped int8
+    logger.log(logging.WARNING if "torch's" in why or "instead" in why else logging.INFO,
                "dtype %s (%s); weights: %s", config.resolved_dtype,
                resolve_dtype(config.dtype, config.device)[1], why)
-    try:
-        model = load_int8_checkpoint(where, hf_config, kind is not None).to(dtype) if int8 else (
-            AutoModelForCausalLM.from_pretrained(
-                where, dtype=dtype, attn_implementation="sdpa",
-                trust_remote_code=config.trust_remote_code, **placement))
+    try:  # a checkpoint's integers are kept only for int8 panels
+        model = (load_int8_checkpoint(where, hf_config, kind in ("int8", "int8dp")).to(dtype)
+                 if int8 else AutoModelForCausalLM.from_pretrained(
+                     where, dtype=dtype, attn_implementation="sdpa",
+                     trust_remote_code=config.trust_remote_code, **placement))
     except (OSError, ValueError) as exc:  # missing files; unreadable weights
         raise _load_error(source, f"model {config.model!r}", exc) from exc
     check_architecture(model)
@@ -316,7 +317,7 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     model = model.eval()
     if kind is not None:
         count = pack_linears(model, layout="panels", cache_dir=config.resolved_cache_dir,
-                             weights=kind)
+                             weights=kind, group=group if kind == "int8dp" else 0)
         logger.info("packed %d linear layers (panels of %s weights)", count, kind)
     elif config.kernels.linear != "torch":
         cache = config.resolved_cache_dir

@@ -37,17 +37,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.config import LINEAR_LAYOUTS as LAYOUTS
-from app.config import EngineConfig, dtype_name
-from app.cpu_kernels import WTYPES, check, kernel_unavailable, load_kernel
-from app.quantized_checkpoint import CHECKPOINT_INT8
+from app.config import EngineConfig, dtype_name, weight_group
+from app.cpu_kernels import check, kernel_unavailable, load_kernel, wtype_code
+from app.quantized_checkpoint import CHECKPOINT_INT8, dequantize
 
 # Rows the blocked layout is tuned for. 8 served 1 to 256 rows as well as or better than
 # 1, 32 or 256 did on this project's CPU (a 2-core AMD EPYC, AVX2).
 BATCH_HINT = 8
 
 
-def weight_plan(config: EngineConfig,
-                int8_checkpoint: bool = False) -> tuple[torch.dtype, str | None, str]:
+def weight_plan(config: EngineConfig, int8_checkpoint: bool = False,
+                int8_group: int = 0) -> tuple[torch.dtype, str | None, str]:
     """How a CPU engine holds and computes its linear weights: (the dtype the model computes
     in, what its panels hold or None to leave packing to ``kernels.linear``, why).
 
@@ -59,11 +59,14 @@ def weight_plan(config: EngineConfig,
     16-bit integers per block of 256; ``int8``: widened); where the panel kernel is not to be
     had, bfloat16 runs through torch's modules in bf16, and int8 raises ``ValueError``.
     ``int8_checkpoint`` (the checkpoint holds int8 weights, app.quantized_checkpoint): int8
-    panels as with weights: int8, or without the kernel its weights dequantized."""
+    panels as with weights: int8, or without the kernel its weights dequantized. A scale per
+    group of k (weights: int8-g<N>, or ``int8_group``, a checkpoint's) needs ``int8dp``:
+    without AVX512-VNNI the weights are served in bf16 panels instead (dequantized, for a
+    checkpoint), which the reason says."""
     dtype = config.torch_dtype
     if config.device != "cpu":
         return dtype, None, "not on the CPU"
-    want = "int8" if config.weights == "int8" or int8_checkpoint else dtype_name(dtype)
+    want = "int8" if config.weights is not None or int8_checkpoint else dtype_name(dtype)
     if want == "float32":
         return dtype, None, "float32"
     layout = config.kernels.linear
@@ -71,8 +74,9 @@ def weight_plan(config: EngineConfig,
         None if layout != "onednn" else "kernels.linear onednn is float32 only"
     ) or kernel_unavailable(config.resolved_cache_dir)
     if reason is not None:
-        if want == "int8" and config.weights == "int8":
-            raise ValueError(f"weights: int8 needs the engine's panel kernel: {reason}")
+        if want == "int8" and config.weights is not None:
+            raise ValueError(f"weights: {config.weights} needs the engine's panel kernel: "
+                             f"{reason}")
         if want == "int8":
             return dtype, None, (f"the checkpoint's int8 weights dequantized to "
                                  f"{dtype_name(dtype)}, torch's modules: {reason}")
@@ -80,9 +84,15 @@ def weight_plan(config: EngineConfig,
     lib = load_kernel(config.resolved_cache_dir)
     if want == "bfloat16" and lib.panel_has_avx512bf16():
         return torch.float32, "bfloat16dp", "bf16 panels, the CPU's bf16 dot product"
+    group = int8_group or weight_group(config.weights)
     if want == "int8" and lib.panel_has_avx512vnni():
-        return (torch.float32, "int8dp", "int8 panels, one scale per output, the CPU's "
-                "16-bit integer dot product (inputs as 16-bit integers per block of 256)")
+        return (torch.float32, "int8dp", f"int8 panels, one scale per output"
+                f"{f' for each {group} of k' if group else ''}, the CPU's 16-bit integer dot "
+                f"product (inputs as 16-bit integers per block of {group or 256})")
+    if want == "int8" and group:
+        bf16 = "bfloat16dp" if lib.panel_has_avx512bf16() else "bfloat16"
+        return (torch.float32, bf16, f"bf16 panels ({bf16}) instead of int8 with a scale per "
+                f"{group} of k, which needs AVX512-VNNI: the weights in twice the bytes")
     how = "widened to float32 in registers" if want == "bfloat16" else "one scale per output"
     return torch.float32, want, f"{want} panels, {how}"
 
@@ -144,13 +154,30 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, layout=onednn")
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight-only int8 with one scale per output channel (row): symmetric, round to nearest,
-    ``weight ~= q * scale[:, None]`` with q in [-127, 127]. Returns (q int8, scale float32)."""
+def quantize_int8(weight: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8 with one scale per output channel (row), or with ``group``, one per
+    row for each ``group`` of k (the last group may be short): symmetric, round to nearest,
+    ``weight ~= q * scale`` (each scale over its row's group) with q in [-127, 127]. Returns
+    (q int8 [n, k], scale float32 [n], or [n, ceil(k / group)] with a group)."""
     w = weight.detach().float()
+    if group:
+        n, k = w.shape
+        blocks = F.pad(w, (0, -k % group)).view(n, -1, group)
+        scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / 127.0
+        q = torch.round(blocks / scale[:, :, None]).clamp(-127, 127).view(n, -1)[:, :k]
+        return q.to(torch.int8).contiguous(), scale.contiguous()
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
+
+
+def kernel_scales(scale: torch.Tensor, nr: int) -> torch.Tensor:
+    """Grouped scales [n, groups] as the kernel reads them: [groups, n padded to whole
+    panels of ``nr``] (linear_i8dp)."""
+    n, groups = scale.shape
+    out = torch.zeros(groups, -(-n // nr) * nr, dtype=torch.float32)
+    out[:, :n] = scale.t()
+    return out
 
 
 class PanelLinear(nn.Module):
@@ -161,7 +188,8 @@ class PanelLinear(nn.Module):
     the bytes: the weight rounded to bf16) or ``int8`` (a quarter: :func:`quantize_int8`, one
     scale per output); ``bfloat16dp`` and ``int8dp`` hold the same in pairs of k for the
     CPU's dot products (their inputs enter as bf16 / as 16-bit integers scaled per block of
-    256). Outputs are float32 in every kind.
+    256). ``group`` (``int8dp`` only): a scale per output for each ``group`` of k. Outputs are
+    float32 in every kind.
 
     ``weight`` is the model's parameter for ``float32``, and, to hold no float32 copy, the
     rounded weight for the others (``bfloat16``; ``int8``: the int8 weight, its scales in
@@ -172,15 +200,14 @@ class PanelLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, cache_dir: Path | None = None,
-                 weights: str = "float32", keep_weight: bool = False) -> None:
+                 weights: str = "float32", keep_weight: bool = False, group: int = 0) -> None:
         super().__init__()
-        if weights not in WTYPES:
-            raise ValueError(f"weights must be one of {sorted(WTYPES)}, got {weights!r}")
+        self.wtype = wtype_code(weights, group)  # raises ValueError for a kind it lacks
         self._lib = load_kernel(cache_dir)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weights = weights
-        self._wtype = WTYPES[weights]
+        self.group = group
         self.bias = linear.bias
         n, k = self.out_features, self.in_features
         count = self._lib.panel_floats(n, k)
@@ -192,7 +219,11 @@ class PanelLinear(nn.Module):
             self.weight = linear.weight
         else:
             if weights in ("int8", "int8dp"):  # a checkpoint's own, else quantized here
-                w, scale = getattr(linear, CHECKPOINT_INT8, None) or quantize_int8(linear.weight)
+                w, scale = (getattr(linear, CHECKPOINT_INT8, None)
+                            or quantize_int8(linear.weight, group))
+                if tuple(scale.shape) != ((n, -(-k // group)) if group else (n,)):
+                    raise ValueError(f"int8 scales {tuple(scale.shape)} do not fit weights "
+                                     f"[{n}, {k}] with a scale per {group or k} of k")
             else:
                 w = linear.weight.detach().to(torch.bfloat16).contiguous()
             if weights in ("bfloat16dp", "int8dp"):  # pairs of k, for the dot products
@@ -213,13 +244,16 @@ class PanelLinear(nn.Module):
                 self.register_buffer("weight", w)
         self.register_buffer("panels", panels, persistent=False)
         self.register_buffer("weight_scale", scale)  # int8's column scales, else None
+        # what the kernel reads: the column scales, grouped ones [groups, panels * 16]
+        self.register_buffer("kernel_scale", kernel_scales(scale, self._lib.panel_nr())
+                             if group else scale, persistent=False)
         self._bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def plain_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a ``dtype`` matrix (an int8 one dequantized)."""
         if self.weight.dtype == torch.int8:
             assert self.weight_scale is not None
-            return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+            return dequantize(self.weight, self.weight_scale, self.group).to(dtype)
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,16 +270,17 @@ class PanelLinear(nn.Module):
         out = torch.empty((m, n), dtype=torch.float32)
         if m:
             rc = self._lib.panel_linear_w(
-                rows.data_ptr(), m, k, self.panels.data_ptr(), self._wtype,
-                None if self.weight_scale is None else self.weight_scale.data_ptr(), n,
+                rows.data_ptr(), m, k, self.panels.data_ptr(), self.wtype,
+                None if self.kernel_scale is None else self.kernel_scale.data_ptr(), n,
                 None if self._bias is None else self._bias.data_ptr(), out.data_ptr(),
                 torch.get_num_threads())
             check(rc, "panel_linear_w")
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
+        group = f", group={self.group}" if self.group else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, layout=panels, weights={self.weights}")
+                f"bias={self.bias is not None}, layout=panels, weights={self.weights}{group}")
 
 
 def weight_kind(model: nn.Module) -> str | None:
@@ -257,10 +292,12 @@ def weight_kind(model: nn.Module) -> str | None:
 
 
 def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, layout: str = "auto",
-                 cache_dir: Path | None = None, weights: str = "float32") -> int:
+                 cache_dir: Path | None = None, weights: str = "float32",
+                 group: int = 0) -> int:
     """Replace every ``nn.Linear`` in ``model`` by a :class:`PanelLinear` (``panels``, its
-    panels holding ``weights``) or a :class:`PackedLinear` (``onednn``, float32 only;
-    ``auto``: panels where the kernel builds); the count.
+    panels holding ``weights``, int8dp's with a scale per ``group`` of k if one is given) or
+    a :class:`PackedLinear` (``onednn``, float32 only; ``auto``: panels where the kernel
+    builds); the count.
 
     Raises ``ValueError`` when packing is not possible (``packing_unavailable``).
     """
@@ -278,7 +315,7 @@ def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, layout: str = "
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        packed = (PanelLinear(module, cache_dir, weights, id(module.weight) in shared)
+        packed = (PanelLinear(module, cache_dir, weights, id(module.weight) in shared, group)
                   if layout == "panels" else PackedLinear(module, batch_hint))
         setattr(parent, child, packed)
     return len(targets)

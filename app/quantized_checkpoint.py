@@ -4,12 +4,15 @@ checkpoint's own integers and scales, nothing quantized again.
 
 A compressed-tensors checkpoint's ``config.json`` has a ``quantization_config`` with
 ``quant_method: compressed-tensors``; each of its ``config_groups`` says how its target
-modules' weights were quantized. The engine's int8 panels hold one scale per output channel
-and no zero point, so it takes groups of 8-bit symmetric integer weights with the
-``channel`` (or ``tensor``) strategy and unquantized activations; anything else (4 bits,
-groups along k, a zero point, an activation order, quantized activations, sparsity) is
-refused with what was found. In the safetensors, a quantized linear ``X`` is
-``X.weight_scale`` ([out, 1], or one value for the tensor strategy) beside either
+modules' weights were quantized. The engine's int8 panels hold one scale per output channel,
+or one per output for each group of k, and no zero point, so it takes groups of 8-bit
+symmetric integer weights with the ``channel`` (or ``tensor``) strategy, or ``group`` with
+an even ``group_size`` up to 512 (the same for every config group; served by the VNNI
+kernel, elsewhere dequantized to bf16 panels: app.packed_linear.weight_plan), and
+unquantized activations; anything else (4 bits, a zero point, an activation order,
+quantized activations, sparsity) is refused with what was found. In the safetensors, a
+quantized linear ``X`` is ``X.weight_scale`` ([out, 1], one value for the tensor strategy,
+[out, ceil(in / group_size)] for the group strategy) beside either
 ``X.weight`` (int8 [out, in]: the ``int-quantized`` and ``naive-quantized`` formats) or
 ``X.weight_packed`` (int32 [out, ceil(in / 4)]: ``pack-quantized``, four integers a word,
 each stored plus 128 in 8 bits, the first in the lowest) with ``X.weight_shape``; the
@@ -35,10 +38,13 @@ from app.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_INT8 = "checkpoint_int8"  # a linear's attribute: (int8 [out, in], float32 [out])
+# a linear's attribute: (int8 [out, in], float32 scales [out], or [out, groups] grouped)
+CHECKPOINT_INT8 = "checkpoint_int8"
 FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
 SCHEME = ("8-bit symmetric integer weights with one scale per output channel (or per "
-          "tensor), activations unquantized (W8A16)")
+          "tensor, or per group of an even group_size up to 512), activations unquantized "
+          "(W8A16)")
+MAX_GROUP = 512  # app.config.INT8_MAX_GROUP
 
 
 def _quant_dict(hf_config: Any) -> dict[str, Any] | None:
@@ -70,6 +76,10 @@ def int8_format(hf_config: Any) -> str | None:
         problems += [f"{name}: {p}" for p in _group_problems(group)]
     problems += [f"format {f!r} (the engine reads {', '.join(FORMATS)})"
                  for f in sorted(formats - set(FORMATS), key=str)]
+    sizes = {_group_size(group) for group in groups.values()}
+    if len(sizes) > 1:
+        problems.append(f"config groups with different scale groups {sorted(sizes)} (0: per "
+                        "channel)")
     if problems:
         raise ModelLoadError(
             "this compressed-tensors checkpoint cannot be served: the engine's int8 panels "
@@ -86,13 +96,29 @@ def _group_problems(group: dict[str, Any]) -> list[str]:
         found.append(f"weights of {w.get('num_bits')} bits, type {w.get('type')!r}")
     if w and not w.get("symmetric", False):
         found.append("asymmetric weights (a zero point)")
-    if w and w.get("strategy") not in ("channel", "tensor"):
-        found.append(f"strategy {w.get('strategy')!r} (group size {w.get('group_size')})")
+    size = w.get("group_size")
+    if w and w.get("strategy") not in ("channel", "tensor", "group"):
+        found.append(f"strategy {w.get('strategy')!r} (group size {size})")
+    if w.get("strategy") == "group" and not (
+            isinstance(size, int) and size % 2 == 0 and 2 <= size <= MAX_GROUP):
+        found.append(f"group_size {size!r} (even, 2 to {MAX_GROUP})")
     if w.get("actorder") or w.get("dynamic"):
         found.append("an activation order or dynamic weights")
     if group.get("input_activations") or group.get("output_activations"):
         found.append("quantized activations")
     return found
+
+
+def _group_size(group: dict[str, Any]) -> int:
+    w = group.get("weights") or {}
+    return int(w.get("group_size") or 0) if w.get("strategy") == "group" else 0
+
+
+def int8_group(hf_config: Any) -> int:
+    """The k each scale covers in an int8 checkpoint (int8_format) of the ``group``
+    strategy, 0 for one scale per output channel (or for another checkpoint)."""
+    groups = (_quant_dict(hf_config) or {}).get("config_groups") or {}
+    return max((_group_size(group) for group in groups.values()), default=0)
 
 
 def _shards(folder: Path) -> list[Path]:
@@ -117,8 +143,9 @@ def unpack_int32(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return (unsigned - 128).to(torch.int8).contiguous()
 
 
-def _read(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
-    """The checkpoint's dense tensors, and (int8, scale [out]) by quantized linear."""
+def _read(folder: Path, group: int) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """The checkpoint's dense tensors, and (int8, scale [out] or, with a ``group``,
+    [out, groups]) by quantized linear."""
     from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
@@ -147,11 +174,30 @@ def _read(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
             raise ModelLoadError(f"{prefix} has a weight_scale but no {exc}") from exc
         if q.dtype != torch.int8 or q.dim() != 2:
             raise ModelLoadError(f"{prefix}'s weight is {q.dtype} {tuple(q.shape)}, not int8")
-        if scale.numel() not in (1, q.shape[0]):
-            raise ModelLoadError(f"{prefix}'s scale {tuple(scale.shape)} is not one per "
-                                 f"output channel of {tuple(q.shape)}")
-        quantized[prefix] = (q, scale.reshape(-1).expand(q.shape[0]).contiguous())
+        quantized[prefix] = (q, _scales(prefix, scale, q.shape, group))
     return tensors, quantized
+
+
+def _scales(prefix: str, scale: torch.Tensor, shape: torch.Size, group: int) -> torch.Tensor:
+    """A linear's scales as the panels take them: [out], or [out, groups] with a group."""
+    if group:
+        groups = -(-shape[1] // group)
+        if tuple(scale.shape) != (shape[0], groups):
+            raise ModelLoadError(f"{prefix}'s scale {tuple(scale.shape)} is not one per "
+                                 f"output for each {group} of k of {tuple(shape)}")
+        return scale.contiguous()
+    if scale.numel() not in (1, shape[0]):
+        raise ModelLoadError(f"{prefix}'s scale {tuple(scale.shape)} is not one per "
+                             f"output channel of {tuple(shape)}")
+    return scale.reshape(-1).expand(shape[0]).contiguous()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """int8 [out, in] times its scales in float32: [out], or with a ``group``
+    [out, ceil(in / group)], each over its group of k (the last may be short)."""
+    if not group:
+        return q.float() * scale[:, None]
+    return q.float() * scale.repeat_interleave(group, dim=1)[:, :q.shape[1]]
 
 
 def load_int8_checkpoint(where: str, hf_config: Any, keep_integers: bool = True):
@@ -166,10 +212,11 @@ def load_int8_checkpoint(where: str, hf_config: Any, keep_integers: bool = True)
         from huggingface_hub import snapshot_download
 
         folder = Path(snapshot_download(where, allow_patterns=["*.json", "*.safetensors"]))
-    dense, quantized = _read(folder)
+    group = int8_group(hf_config)
+    dense, quantized = _read(folder, group)
     state = {k: v.float() if v.is_floating_point() else v for k, v in dense.items()}
     for prefix, (q, scale) in quantized.items():
-        state[prefix + ".weight"] = q.float() * scale[:, None]
+        state[prefix + ".weight"] = dequantize(q, scale, group)
     config = type(hf_config).from_dict({k: v for k, v in hf_config.to_dict().items()
                                         if k != "quantization_config"})
     try:

@@ -1,13 +1,14 @@
 """Write a model as a compressed-tensors int8 weight-only checkpoint (W8A16), the way
 llm-compressor's min-max scheme writes one: every linear but ``lm_head`` as 8-bit symmetric
 integers with one scale per output channel (largest magnitude / 127.5, integers in
-[-128, 127]), packed four to a 32-bit word (``pack-quantized``) or kept as int8
-(``int-quantized``); the rest as it is. The engine serves such a folder's own integers
+[-128, 127]), or with ``--group N`` one per output for each N of k (the ``group`` strategy,
+scales [out, ceil(in / N)]), packed four to a 32-bit word (``pack-quantized``) or kept as
+int8 (``int-quantized``); the rest as it is. The engine serves such a folder's own integers
 (app.quantized_checkpoint); this writes one where no quantizer is installed, for the tests
 and for BENCHMARKS' quality figures.
 
     python -m load_tests.int8_checkpoint OUT_DIR [--model smollm2-135m-instruct]
-        [--format pack-quantized]
+        [--format pack-quantized] [--group N]
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ GROUP = {"targets": ["Linear"], "input_activations": None, "output_activations":
                      "observer": "minmax"}}
 
 
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min-max symmetric int8, a scale per row: (int8 [out, in], scale [out, 1])."""
-    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.5
-    return torch.clamp(torch.round(w / scale), -128, 127).to(torch.int8), scale
+def quantize(w: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max symmetric int8, a scale per row (int8 [out, in], scale [out, 1]), or with a
+    ``group`` per row for each ``group`` of k (scale [out, ceil(in / group)])."""
+    if not group:
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.5
+        return torch.clamp(torch.round(w / scale), -128, 127).to(torch.int8), scale
+    n, k = w.shape
+    blocks = nn.functional.pad(w, (0, -k % group)).view(n, -1, group)
+    scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / 127.5
+    q = torch.clamp(torch.round(blocks / scale[:, :, None]), -128, 127).view(n, -1)[:, :k]
+    return q.to(torch.int8).contiguous(), scale
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -39,10 +47,11 @@ def pack(q: torch.Tensor) -> torch.Tensor:
 
 
 def write(model: nn.Module, folder: Path, fmt: str = "pack-quantized", tokenizer=None,
-          **scheme: object) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``model``'s linears but lm_head as int8 in ``fmt`` (``scheme`` overrides what the
-    config says of the weights); returns the integers and scales (float32 [out]) written,
-    by module name."""
+          group: int = 0, **scheme: object) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``model``'s linears but lm_head as int8 in ``fmt``, a scale per output or per
+    ``group`` of k (``scheme`` overrides what the config says of the weights); returns the
+    integers and scales (float32 [out], [out, groups] with a group) written, by module
+    name."""
     from safetensors.torch import save_file
 
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
@@ -50,22 +59,25 @@ def write(model: nn.Module, folder: Path, fmt: str = "pack-quantized", tokenizer
     tensors, written = {}, {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and name != "lm_head":
-            q, scale = quantize(state.pop(name + ".weight").float())
+            q, scale = quantize(state.pop(name + ".weight").float(), group)
             if fmt == "pack-quantized":
                 tensors[name + ".weight_packed"] = pack(q)
                 tensors[name + ".weight_shape"] = torch.tensor(q.shape, dtype=torch.int32)
             else:
                 tensors[name + ".weight"] = q
             tensors[name + ".weight_scale"] = scale.bfloat16()
-            written[name] = (q, scale.bfloat16().float().reshape(-1))
+            kept = scale.bfloat16().float()
+            written[name] = (q, kept if group else kept.reshape(-1))
     folder.mkdir(parents=True, exist_ok=True)
     save_file({**state, **tensors}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    group = json.loads(json.dumps(GROUP))
-    group["weights"].update(scheme)
+    how = json.loads(json.dumps(GROUP))
+    if group:
+        how["weights"].update(strategy="group", group_size=group)
+    how["weights"].update(scheme)
     config = model.config.to_dict()
     config["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-        "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None}
+        "config_groups": {"group_0": how}, "ignore": ["lm_head"], "kv_cache_scheme": None}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
@@ -83,10 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--format", choices=("pack-quantized", "int-quantized"),
                     default="pack-quantized")
+    ap.add_argument("--group", type=int, default=0,
+                    help="a scale per output for each GROUP of k (0: per output channel)")
     args = ap.parse_args(argv)
     config = EngineConfig(model=args.model, dtype="float32", kernels=KernelConfig(linear="torch"))
-    written = write(load_model(config), args.out, args.format, load_tokenizer(config))
-    print(f"{len(written)} linears as int8 ({args.format}) in {args.out}")
+    written = write(load_model(config), args.out, args.format, load_tokenizer(config),
+                    args.group)
+    per = f"a scale per {args.group} of k" if args.group else "a scale per output"
+    print(f"{len(written)} linears as int8 ({args.format}, {per}) in {args.out}")
     return 0
 
 

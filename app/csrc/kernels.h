@@ -19,7 +19,7 @@ enum sk_status {
     SK_UNSUPPORTED = -1,  /* shapes this kernel does not serve: the caller takes torch's path */
     SK_NO_MEMORY = -2,    /* scratch memory could not be had */
     SK_BAD_SHAPE = -3,    /* a count or width out of range */
-    SK_BAD_KIND = -4,     /* an unknown kind of weight, or int8 panels without scales */
+    SK_BAD_KIND = -4,     /* an unknown kind of weight (or group), int8 panels without scales */
     SK_NO_ISA = -5,       /* the CPU lacks the instructions this kind of panel needs */
     SK_BAD_WRITE = -6,    /* write: a slot outside the pool */
     SK_BAD_READ = -7,     /* read: a slot outside the pool */
@@ -31,7 +31,11 @@ enum sk_status {
 /* What a status means, naming the argument at fault. */
 const char *sk_status_message(int status);
 
-/* panel_gemm.c: panels of 16 output columns, float32 / bf16 / int8 */
+/* panel_gemm.c: panels of 16 output columns, float32 / bf16 / int8. panel_linear_w's wtype is
+ * the kind of weight (panel_gemm.c's W_*) plus, for int8 pair panels (W_I8DP) with a scale per
+ * group of k instead of per column, the group's length times I8_GROUP_SHIFT's power of two. */
+#define I8_GROUP_SHIFT 8
+#define I8_MAX_GROUP 512
 long panel_nr(void);
 long panel_floats(long n, long k);
 void panel_pack(const float *w, long ldw, long n, long k, float *p);
@@ -57,7 +61,7 @@ int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, con
 /* panel_i8dp.c: int8 pair panels through vpdpwssd */
 int panel_has_avx512vnni(void);
 int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
-                const float *scale, float *y, int threads);
+                const float *scale, long group, float *y, int threads);
 
 /* paged_attention.c: decode attention read in place from the paged pool */
 int paged_decode_attention(const float *q, const void *keys, const void *values, long slots,

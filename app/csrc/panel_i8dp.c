@@ -16,6 +16,12 @@
  * one otherwise (an input that is not finite makes its block's scale NaN: the row's outputs
  * are NaN, as a float product's would be).
  *
+ * Grouped weights (a scale per column for each group of g along k, g even, as a GGUF Q8_0
+ * block or a compressed-tensors `group` checkpoint holds them): the inputs' blocks are the
+ * groups, g / 2 pairs each, and a block's sums are multiplied by the row's scale times the
+ * block's 16 column scales as they are folded in (one load and one multiply more a fold);
+ * the end adds only the bias. g <= I8_MAX_GROUP keeps a block's 2g products below 2^31.
+ *
  * Layout (packed by panel_bf16dp.c's panel_pack_pairs_i8): as bf16's pairs, int8: P[N/16][K/2][16][2] (a column's weights at k and
  * k + 1 side by side, one 16-bit pair), K padded to even with a zero; panel_pair_elems counts
  * them. Tiles: 1-2 rows x 8 panels, up to 6 rows x 4 panels (decode) or 12 x 2 (prefill
@@ -44,7 +50,7 @@
 
 #define NR 16
 #define MB 48
-#define KB 128 /* pairs of k per block of the inputs' scales */
+#define KB 128 /* pairs of k per block of the inputs' scales (per-channel weights) */
 #define GROUP_BYTES (256L * 1024)
 
 #define VN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -62,14 +68,16 @@ int panel_has_avx512vnni(void) {
     return has && !panel_avx2_only();
 }
 
-/* x [m, k] float32 into xq [m, kp] pairs of int16 and xs [m, blocks] their blocks' scales. */
-static VN_TARGET void to_i16(const float *x, long m, long k, uint32_t *xq, float *xs) {
-    long kp = (k + 1) / 2, blocks = (kp + KB - 1) / KB;
+/* x [m, k] float32 into xq [m, kp] pairs of int16 and xs [m, blocks] their blocks' scales
+   (blocks of kb pairs). */
+static VN_TARGET void to_i16(const float *x, long m, long k, long kb, uint32_t *xq,
+                             float *xs) {
+    long kp = (k + 1) / 2, blocks = (kp + kb - 1) / kb;
     for (long i = 0; i < m; i++) {
         const float *src = x + i * k;
         int16_t *dst = (int16_t *)(xq + i * kp);
         for (long b = 0; b < blocks; b++) {
-            long k0 = b * 2 * KB, k1 = k0 + 2 * KB < k ? k0 + 2 * KB : k;
+            long k0 = b * 2 * kb, k1 = k0 + 2 * kb < k ? k0 + 2 * kb : k;
             __m512 big = _mm512_setzero_ps(), bad = _mm512_setzero_ps();
             for (long d = k0; d < k1; d += 16) {
                 __mmask16 mask = k1 - d >= 16 ? 0xFFFF : (__mmask16)((1u << (k1 - d)) - 1);
@@ -112,11 +120,13 @@ static VN_TARGET void to_i16(const float *x, long m, long k, uint32_t *xq, float
         if (np > 4) DPW(c##i##6, b, w6);                                                     \
         if (np > 4) DPW(c##i##7, b, w7);                                                     \
     }
-/* a block's integer sums, times the row's scale for it, into the float sums in y */
+/* a block's integer sums, times the row's scale for it (and grouped weights' column scales
+   for the block), into the float sums in y */
 #define VN_FOLD1(i, j)                                                                       \
     {                                                                                        \
         float *o = y + (i) * ldy + (j) * NR;                                                 \
         __m512 v = _mm512_cvtepi32_ps(c##i##j), s = _mm512_set1_ps(xs[(i) * lds + blk]);    \
+        if (gs) s = _mm512_mul_ps(s, _mm512_loadu_ps(gs + blk * gld + (j) * NR));            \
         _mm512_storeu_ps(o, blk ? _mm512_fmadd_ps(v, s, _mm512_loadu_ps(o))                  \
                                 : _mm512_mul_ps(v, s));                                      \
     }
@@ -132,11 +142,13 @@ static VN_TARGET void to_i16(const float *x, long m, long k, uint32_t *xq, float
 
 /* One block of k, pairs [k0, k1) (block blk), of mr rows (pairs, stride ldx; scales stride
    lds) x np panels (mr * np <= 24; np 8 for up to 2 rows): the integer sums, times each
-   row's scale, into the float sums in y (stride ldy). With `ahead`, the np panels after
+   row's scale (and, grouped weights, gs: the block's column scales, a block's row gld
+   floats on), into the float sums in y (stride ldy). With `ahead`, the np panels after
    these are fetched towards L2 as these are read. */
 static inline __attribute__((always_inline)) VN_TARGET void vn_block(
     int mr, int np, long blk, long k0, long k1, long ps, const int8_t *pan, const uint32_t *x,
-    long ldx, const float *xs, long lds, float *y, long ldy, int ahead) {
+    long ldx, const float *xs, long lds, float *y, long ldy, const float *gs, long gld,
+    int ahead) {
     VN_DECL(0); VN_DECL(1); VN_DECL(2); VN_DECL(3); VN_DECL(4); VN_DECL(5);
     VN_DECL(6); VN_DECL(7); VN_DECL(8); VN_DECL(9); VN_DECL(10); VN_DECL(11);
     for (long kk = k0; kk < k1; kk++) {
@@ -157,15 +169,16 @@ static inline __attribute__((always_inline)) VN_TARGET void vn_block(
     VN_FOLD(6) VN_FOLD(7) VN_FOLD(8) VN_FOLD(9) VN_FOLD(10) VN_FOLD(11)
 }
 
-/* mr rows x np panels, every block of k, then y = y * wscale + bias over the tile's np * 16
-   columns. */
+/* mr rows x np panels, every block of kb pairs of k, then y = y * wscale + bias over the
+   tile's np * 16 columns. */
 static inline __attribute__((always_inline)) VN_TARGET void vn_tile(
-    int mr, int np, long kp, const int8_t *pan, const uint32_t *x, long ldx, const float *xs,
-    long lds, float *y, long ldy, const float *wscale, const float *bias, int ahead) {
+    int mr, int np, long kp, long kb, const int8_t *pan, const uint32_t *x, long ldx,
+    const float *xs, long lds, float *y, long ldy, const float *gs, long gld,
+    const float *wscale, const float *bias, int ahead) {
     long ps = kp * NR * 2; /* one panel's bytes */
-    for (long blk = 0, k0 = 0; k0 < kp; blk++, k0 += KB)
-        vn_block(mr, np, blk, k0, k0 + KB < kp ? k0 + KB : kp, ps, pan, x, ldx, xs, lds, y, ldy,
-                 ahead);
+    for (long blk = 0, k0 = 0; k0 < kp; blk++, k0 += kb)
+        vn_block(mr, np, blk, k0, k0 + kb < kp ? k0 + kb : kp, ps, pan, x, ldx, xs, lds, y, ldy,
+                 gs, gld, ahead);
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np; j++) {
             float *o = y + i * ldy + j * NR;
@@ -180,14 +193,16 @@ static inline __attribute__((always_inline)) VN_TARGET void vn_tile(
 #undef VN_FOLD
 #undef VN_W
 
-typedef void (*vn_fn)(long, const int8_t *, const uint32_t *, long, const float *, long,
-                      float *, long, const float *, const float *, int);
+typedef void (*vn_fn)(long, long, const int8_t *, const uint32_t *, long, const float *,
+                      long, float *, long, const float *, long, const float *, const float *,
+                      int);
 #define VN(m, p)                                                                             \
-    static VN_TARGET void vn_##m##_##p(long kp, const int8_t *pan, const uint32_t *x,        \
-                                       long ldx, const float *xs, long lds, float *y,        \
-                                       long ldy, const float *wscale, const float *bias,     \
+    static VN_TARGET void vn_##m##_##p(long kp, long kb, const int8_t *pan,                  \
+                                       const uint32_t *x, long ldx, const float *xs,         \
+                                       long lds, float *y, long ldy, const float *gs,        \
+                                       long gld, const float *wscale, const float *bias,     \
                                        int ahead) {                                          \
-        vn_tile(m, p, kp, pan, x, ldx, xs, lds, y, ldy, wscale, bias, ahead);                \
+        vn_tile(m, p, kp, kb, pan, x, ldx, xs, lds, y, ldy, gs, gld, wscale, bias, ahead);   \
     }
 VN(1, 1) VN(1, 2) VN(1, 4) VN(1, 8) VN(2, 1) VN(2, 2) VN(2, 4) VN(2, 8) VN(3, 1) VN(3, 2) VN(3, 4)
 VN(4, 1) VN(4, 2) VN(4, 4) VN(5, 1) VN(5, 2) VN(5, 4) VN(6, 1) VN(6, 2) VN(6, 4)
@@ -202,31 +217,37 @@ static const vn_fn VN_TILES[13][4] = {
     {vn_9_1, vn_9_2, 0, 0}, {vn_10_1, vn_10_2, 0, 0}, {vn_11_1, vn_11_2, 0, 0},
     {vn_12_1, vn_12_2, 0, 0}};
 
-/* What one call works on: the inputs as pairs and scales, the panels, the outputs. */
+/* What one call works on: the inputs as pairs and scales (blocks of kb pairs), the panels,
+   their scales (wscale [n] per column, or gscale [blocks][panels * 16] per group of k, kb
+   pairs a group), the outputs. */
 struct vn_job {
     const uint32_t *xq;
-    const float *xs, *wscale, *bias;
+    const float *xs, *wscale, *gscale, *bias;
     const int8_t *p;
     float *y;
-    long m, kp, blocks, n;
+    long m, kp, kb, blocks, n;
 };
 
 /* Rows [m0, m0 + mr) x panels [q, q + np), through a scratch tile where columns are padding. */
 static void vn_rows(const struct vn_job *j, long m0, int mr, int np, long q, int ahead) {
     float s64[8 * NR], b64[8 * NR], scratch[12 * 4 * NR];
     long cols = j->n - q * NR < np * NR ? j->n - q * NR : np * NR;
-    const float *sc = column_view(s64, j->wscale, q * NR, cols, np * NR);
+    const float *gs = j->gscale ? j->gscale + q * NR : NULL;
+    long gld = (j->n + NR - 1) / NR * NR;
+    if (gs) /* grouped: the scales went in block by block, the end is y + bias */
+        for (int c = 0; c < np * NR; c++) s64[c] = 1.0f;
+    const float *sc = gs ? s64 : column_view(s64, j->wscale, q * NR, cols, np * NR);
     const float *b = column_view(b64, j->bias, q * NR, cols, np * NR);
     vn_fn tile = VN_TILES[mr][np == 8 ? 3 : np == 4 ? 2 : np - 1];
     const int8_t *pan = j->p + q * j->kp * NR * 2;
     const uint32_t *x = j->xq + m0 * j->kp;
     const float *xs = j->xs + m0 * j->blocks;
     if (cols == np * NR) {
-        tile(j->kp, pan, x, j->kp, xs, j->blocks, j->y + m0 * j->n + q * NR, j->n, sc, b,
-             ahead);
+        tile(j->kp, j->kb, pan, x, j->kp, xs, j->blocks, j->y + m0 * j->n + q * NR, j->n, gs,
+             gld, sc, b, ahead);
         return;
     }
-    tile(j->kp, pan, x, j->kp, xs, j->blocks, scratch, np * NR, sc, b, ahead);
+    tile(j->kp, j->kb, pan, x, j->kp, xs, j->blocks, scratch, np * NR, gs, gld, sc, b, ahead);
     for (int i = 0; i < mr; i++)
         memcpy(j->y + (m0 + i) * j->n + q * NR, scratch + i * np * NR, cols * sizeof(float));
 }
@@ -259,13 +280,18 @@ static void vn_run(const struct vn_job *j, long q0, long q1) {
     }
 }
 
-/* y [m, n] = x [m, k] @ (W * scale)^T + bias, W packed by panel_pack_pairs_i8, scale [n].
-   Returns SK_OK, SK_BAD_SHAPE, SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
+/* y [m, n] = x [m, k] @ (W * scale)^T + bias, W packed by panel_pack_pairs_i8; group 0:
+   scale [n], one a column; group g (even, 2..I8_MAX_GROUP): scale [ceil(k / g)][panels * 16],
+   one a column for each g of k (the last group may be short), the columns padded to whole
+   panels. Returns SK_OK, SK_BAD_SHAPE (a count, or a group not even or too large),
+   SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
 int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
-                const float *scale, float *y, int threads) {
+                const float *scale, long group, float *y, int threads) {
     if (!panel_has_avx512vnni()) return SK_NO_ISA;
     if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
-    long kp = (k + 1) / 2, panels = (n + NR - 1) / NR, blocks = (kp + KB - 1) / KB;
+    if (group < 0 || group % 2 || group > I8_MAX_GROUP) return SK_BAD_SHAPE;
+    long kp = (k + 1) / 2, panels = (n + NR - 1) / NR, kb = group ? group / 2 : KB;
+    long blocks = (kp + kb - 1) / kb;
     uint32_t *xq = malloc(sizeof(uint32_t) * (size_t)(m * kp));
     float *xs = malloc(sizeof(float) * (size_t)(m * blocks));
     if (xq == NULL || xs == NULL) {
@@ -273,8 +299,9 @@ int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const f
         free(xs);
         return SK_NO_MEMORY;
     }
-    to_i16(x, m, k, xq, xs);
-    struct vn_job job = {xq, xs, scale, bias, p, y, m, kp, blocks, n};
+    to_i16(x, m, k, kb, xq, xs);
+    struct vn_job job = {xq, xs, group ? NULL : scale, group ? scale : NULL, bias, p, y, m, kp,
+                         kb, blocks, n};
     if (threads > panels) threads = (int)panels;
     if (threads <= 1 || m * n * k < 65536) {
         vn_run(&job, 0, panels);

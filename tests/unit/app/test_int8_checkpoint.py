@@ -90,7 +90,8 @@ def test_without_the_kernel_the_checkpoint_is_dequantized(checkpoint):
 
 @pytest.mark.parametrize(("change", "named"), [
     ({"weights": {"num_bits": 4}}, "weights of 4 bits"),
-    ({"weights": {"strategy": "group", "group_size": 128}}, "strategy 'group'"),
+    ({"weights": {"strategy": "block", "group_size": 128}}, "strategy 'block'"),
+    ({"weights": {"strategy": "group", "group_size": 1024}}, "group_size 1024"),
     ({"weights": {"symmetric": False}}, "asymmetric"),
     ({"weights": {"actorder": "group"}}, "activation order"),
     ({"input_activations": {"num_bits": 8, "type": "int"}}, "quantized activations"),

@@ -44,20 +44,21 @@ def _rounded(linear: nn.Linear, kind: str) -> torch.Tensor:
     return linear.weight.detach().bfloat16().float()
 
 
-def _inputs(x: torch.Tensor, kind: str) -> torch.Tensor:
+def _inputs(x: torch.Tensor, kind: str, block: int = 256) -> torch.Tensor:
     """What ``kind``'s products take of an input: bfloat16dp rounds it to bf16; int8dp to
-    16-bit integers over each row's blocks of 256, scaled by the block's largest magnitude."""
+    16-bit integers over each row's blocks of ``block`` (256; grouped weights': the group),
+    scaled by the block's largest magnitude."""
     if kind == "bfloat16dp":
         return x.bfloat16().float()
     if kind != "int8dp":
         return x
     out = x.clone()
-    for k0 in range(0, x.shape[-1], 256):
-        block = x[..., k0:k0 + 256]
-        amax = block.abs().amax(dim=-1, keepdim=True)
+    for k0 in range(0, x.shape[-1], block):
+        block_x = x[..., k0:k0 + block]
+        amax = block_x.abs().amax(dim=-1, keepdim=True)
         scale = amax / 32767.0
         inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
-        out[..., k0:k0 + 256] = torch.round(block * inv) * scale
+        out[..., k0:k0 + block] = torch.round(block_x * inv) * scale
     return out
 
 
@@ -179,7 +180,7 @@ def test_kept_to_avx2_auto_chooses_float32_and_a_bad_value_is_named(monkeypatch)
 
 
 def test_weight_plan_takes_the_kind_the_cpu_has_and_refuses_what_cannot_run():
-    with pytest.raises(ValueError, match="weights must be one of"):
+    with pytest.raises(ValueError, match="weights must be None, 'int8' or 'int8-g<N>'"):
         EngineConfig(weights="int4")
     with pytest.raises(ValueError, match="int8 runs on the CPU"):
         EngineConfig(weights="int8", device="cuda")
