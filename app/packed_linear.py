@@ -284,9 +284,10 @@ class PanelLinear(nn.Module):
 
 
 def weight_kind(model: nn.Module) -> str | None:
-    """What ``model``'s panel-packed linears hold (``float32``, ``bfloat16``, ``int8``), or
-    None when it has none."""
-    kinds = {m.weights for m in model.modules() if isinstance(m, PanelLinear)}
+    """What ``model``'s panel-packed linears hold (``float32``, ``bfloat16``, ``int8``, ...;
+    ``int8dp-g32``: int8 pairs with a scale per 32 of k), or None when it has none."""
+    kinds = {f"{m.weights}-g{m.group}" if m.group else m.weights
+             for m in model.modules() if isinstance(m, PanelLinear)}
     assert len(kinds) <= 1, f"mixed panel kinds {kinds}"
     return next(iter(kinds), None)
 

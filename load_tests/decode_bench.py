@@ -11,7 +11,8 @@ AVX-512 tiles, bf16 or VNNI dot products: ``bfloat16+packed+avx2`` holds widened
 ``SPLITSERVE_KERNEL_ISA=avx2`` does it for every variant and for torch's own choice too
 with ``ATEN_CPU_CAPABILITY=avx2``); ``+kvf32``
 for a float32 KV pool (and packages) where the dtype would hold them in bf16; ``+int8``
-for weight-only int8 panels (``EngineConfig.weights``; a ``bfloat16+packed`` variant holds
+for weight-only int8 panels, ``+int8-g32`` (any ``int8-g<N>``) with a scale per 32 of k
+(``EngineConfig.weights``; a ``bfloat16+packed`` variant holds
 bf16 panels, app.packed_linear.weight_plan); side by
 side, interleaved in rounds so that a busy spell of a shared machine hits every figure alike):
 
@@ -145,15 +146,16 @@ class Variant:
     def __init__(self, name: str, threads: int, prefill: bool = True,
                  model: str = DEFAULT_MODEL) -> None:
         dtype, *flags = name.split("+")
-        unknown = set(flags) - {"packed", "onednn", "gather", "unfused", "avx2", "int8",
-                                "kvf32"}
+        weights = [f for f in flags if f.startswith("int8")]
+        unknown = set(flags) - {"packed", "onednn", "gather", "unfused", "avx2", "kvf32",
+                                *weights[:1]}
         if unknown:
             raise ValueError(f"variant {name!r}: unknown flags {sorted(unknown)}")
         self.avx512 = "avx2" not in flags and kernel_isa() == "native"
         self.activate()  # before the load: the weights' kind follows the CPU's paths
         self.core = EngineCore.here(EngineConfig(
             model=model, dtype=dtype, num_threads=threads,
-            weights="int8" if "int8" in flags else None,
+            weights=weights[0] if weights else None,
             kv_dtype="float32" if "kvf32" in flags else None,
             kernels=KernelConfig(
                 linear=("torch" if "packed" not in flags

@@ -1,7 +1,8 @@
 """What holding the weights in fewer bytes costs in quality, against the float32 model.
 
-For each variant (the engine's bf16 panels, its int8 panels, and transformers' own bf16 model
-for comparison: what a bf16 server computes), over a fixed set of prompts:
+For each variant (the engine's bf16 panels, its int8 panels with a scale per output and with
+one per 32 and per 128 of k, and transformers' own bf16 model for comparison: what a bf16
+server computes), over a fixed set of prompts:
 
 * greedy agreement: the variant's greedy continuation (``max_new`` tokens) against the
   float32 model's: how many prompts agree on every token, and the mean count of tokens
@@ -53,6 +54,8 @@ PROMPTS = (
 VARIANTS = {
     "engine bf16 panels": {"dtype": "bfloat16"},
     "engine int8 panels": {"weights": "int8"},
+    "engine int8 panels, a scale per 32 of k": {"weights": "int8-g32"},
+    "engine int8 panels, a scale per 128 of k": {"weights": "int8-g128"},
     "transformers bf16": {"dtype": "bfloat16", "kernels": KernelConfig(linear="torch")},
 }
 

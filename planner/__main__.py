@@ -181,8 +181,9 @@ def _add_profile_parser(sub: Any) -> None:
     pp.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
     pp.add_argument("--dtype", default="auto",
                     help="engine.dtype to profile (auto: what the serve configs resolve to)")
-    pp.add_argument("--weights", choices=("int8",), default=None,
-                    help="engine.weights to profile (int8: weight-only int8 panels)")
+    pp.add_argument("--weights", default=None,
+                    help="engine.weights to profile (int8: weight-only int8 panels; "
+                    "int8-g<N>: a scale per N of k)")
     pp.add_argument("--model", default=None, help="engine.model to profile (default: the "
                     "embedded SmolLM2; a compressed-tensors int8 checkpoint runs int8 panels)")
     pp.add_argument("--main-thread", action="store_true",

@@ -149,7 +149,8 @@ async def test_a_grouped_checkpoint_is_served_with_its_own_integers_and_scales(
     folder, written = grouped_checkpoint
     core = EngineCore(EngineConfig(model=str(folder), max_batch_size=8))
     panels = {name: m for name, m in core.model.named_modules() if isinstance(m, PanelLinear)}
-    assert weight_kind(core.model) == "int8dp"
+    assert weight_kind(core.model) == "int8dp-g32"
+    assert "/float32+int8dp-g32/" in core.fingerprint  # a split's two sides must agree
     for name, (q, scale) in written.items():
         assert panels[name].group == 32 and torch.equal(panels[name].weight, q), name
         assert torch.equal(panels[name].weight_scale, scale), name
