@@ -101,8 +101,8 @@ def _side_by_side(linears: list[PanelLinear]
         lin.panels = whole[start : start + n]
         start += n
     scales = None
-    if linears[0].kernel_scale is not None:  # [n] or grouped [groups, n]: along the outputs
-        scales = torch.cat([lin.kernel_scale for lin in linears], dim=-1).contiguous()
+    if linears[0].kernel_scale is not None:  # [n], or grouped [panels, groups, 16]
+        scales = torch.cat([lin.kernel_scale for lin in linears]).contiguous()
     if all(lin._bias is None for lin in linears):
         return whole, None, scales
     bias = torch.cat([lin._bias if lin._bias is not None

@@ -172,12 +172,12 @@ def quantize_int8(weight: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, t
 
 
 def kernel_scales(scale: torch.Tensor, nr: int) -> torch.Tensor:
-    """Grouped scales [n, groups] as the kernel reads them: [groups, n padded to whole
-    panels of ``nr``] (linear_i8dp)."""
+    """Grouped scales [n, groups] as the kernel reads them, panel by panel: [panels, groups,
+    ``nr``], the last panel's columns past n zero (linear_i8dp)."""
     n, groups = scale.shape
-    out = torch.zeros(groups, -(-n // nr) * nr, dtype=torch.float32)
-    out[:, :n] = scale.t()
-    return out
+    padded = torch.zeros(-(-n // nr) * nr, groups, dtype=torch.float32)
+    padded[:n] = scale
+    return padded.view(-1, nr, groups).transpose(1, 2).contiguous()
 
 
 class PanelLinear(nn.Module):

@@ -13,10 +13,11 @@ server computes), over a fixed set of prompts:
   variant's top token is float32's.
 
     python -m load_tests.weights_quality [--model smollm2-135m-instruct] [--max-new 32]
-        [--int8-checkpoint DIR] [--json PATH]
+        [--int8-checkpoint DIR ...] [--json PATH]
 
-``--int8-checkpoint``: also a compressed-tensors int8 checkpoint of the same model (e.g.
-``python -m load_tests.int8_checkpoint DIR``), its own integers in the engine's int8 panels.
+``--int8-checkpoint`` (repeatable): also a compressed-tensors int8 checkpoint of the same
+model (e.g. ``python -m load_tests.int8_checkpoint DIR [--group N]``), its own integers in
+the engine's int8 panels.
 
 Prints the machine's CPU model and flags with the figures.
 """
@@ -90,11 +91,11 @@ def logprobs(model, ids: list[int], cont: list[int]) -> tuple[torch.Tensor, torc
     return lp.gather(1, torch.tensor(cont)[:, None])[:, 0], lp.argmax(dim=-1)
 
 
-def measure(model_name: str, max_new: int, checkpoint: Path | None = None) -> dict:
+def measure(model_name: str, max_new: int, checkpoints: tuple[Path, ...] = ()) -> dict:
     base = EngineConfig(model=model_name)
     variants = dict(VARIANTS)
-    if checkpoint is not None:
-        variants["int8 checkpoint"] = {"model": str(checkpoint)}
+    for checkpoint in checkpoints:
+        variants[f"int8 checkpoint {checkpoint.name}"] = {"model": str(checkpoint)}
     tok = load_tokenizer(base)
     prompts = [tok.encode(p) for p in PROMPTS]
     ref = load_model(replace(base, kernels=KernelConfig(linear="torch")))
@@ -128,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--max-new", type=int, default=32)
-    ap.add_argument("--int8-checkpoint", type=Path, default=None)
+    ap.add_argument("--int8-checkpoint", type=Path, action="append", default=[],
+                    help="a compressed-tensors int8 checkpoint of the model (repeatable)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    results = measure(args.model, args.max_new, args.int8_checkpoint)
+    results = measure(args.model, args.max_new, tuple(args.int8_checkpoint))
     print(f"CPU: {cpu_facts()}")
     print(f"model {args.model}, {len(PROMPTS)} prompts, {args.max_new} greedy tokens each, "
           "against the float32 model")

@@ -20,7 +20,9 @@
  * block or a compressed-tensors `group` checkpoint holds them): the inputs' blocks are the
  * groups, g / 2 pairs each, and a block's sums are multiplied by the row's scale times the
  * block's 16 column scales as they are folded in (one load and one multiply more a fold);
- * the end adds only the bias. g <= I8_MAX_GROUP keeps a block's 2g products below 2^31.
+ * the end adds only the bias. The scales lie panel by panel, [panels][groups][16], so a
+ * tile reads them in one run (laid out [groups][columns], each group's row was a jump
+ * of a row's length: SmolLM2's LM head at one row 1.14x per-channel's time at g = 128). g <= I8_MAX_GROUP keeps a block's 2g products below 2^31.
  *
  * Layout (packed by panel_bf16dp.c's panel_pack_pairs_i8): as bf16's pairs, int8: P[N/16][K/2][16][2] (a column's weights at k and
  * k + 1 side by side, one 16-bit pair), K padded to even with a zero; panel_pair_elems counts
@@ -126,7 +128,7 @@ static VN_TARGET void to_i16(const float *x, long m, long k, long kb, uint32_t *
     {                                                                                        \
         float *o = y + (i) * ldy + (j) * NR;                                                 \
         __m512 v = _mm512_cvtepi32_ps(c##i##j), s = _mm512_set1_ps(xs[(i) * lds + blk]);    \
-        if (gs) s = _mm512_mul_ps(s, _mm512_loadu_ps(gs + blk * gld + (j) * NR));            \
+        if (gs) s = _mm512_mul_ps(s, g##j);                                                  \
         _mm512_storeu_ps(o, blk ? _mm512_fmadd_ps(v, s, _mm512_loadu_ps(o))                  \
                                 : _mm512_mul_ps(v, s));                                      \
     }
@@ -142,8 +144,9 @@ static VN_TARGET void to_i16(const float *x, long m, long k, long kb, uint32_t *
 
 /* One block of k, pairs [k0, k1) (block blk), of mr rows (pairs, stride ldx; scales stride
    lds) x np panels (mr * np <= 24; np 8 for up to 2 rows): the integer sums, times each
-   row's scale (and, grouped weights, gs: the block's column scales, a block's row gld
-   floats on), into the float sums in y (stride ldy). With `ahead`, the np panels after
+   row's scale (and, grouped weights, gs: the tile's first panel's column scales, a block's
+   16 after the last's, the next panel's gld floats on), into the float sums in y (stride
+   ldy). With `ahead`, the np panels after
    these are fetched towards L2 as these are read. */
 static inline __attribute__((always_inline)) VN_TARGET void vn_block(
     int mr, int np, long blk, long k0, long k1, long ps, const int8_t *pan, const uint32_t *x,
@@ -165,6 +168,19 @@ static inline __attribute__((always_inline)) VN_TARGET void vn_block(
         VN_ROW(0) VN_ROW(1) VN_ROW(2) VN_ROW(3) VN_ROW(4) VN_ROW(5)
         VN_ROW(6) VN_ROW(7) VN_ROW(8) VN_ROW(9) VN_ROW(10) VN_ROW(11)
     }
+    __m512 g0 = _mm512_setzero_ps(), g1 = g0, g2 = g0, g3 = g0, g4 = g0, g5 = g0, g6 = g0,
+           g7 = g0; /* grouped weights: the block's column scales, once for every row */
+    if (gs) {
+        const float *b = gs + blk * NR;
+        g0 = _mm512_loadu_ps(b);
+        if (np > 1) g1 = _mm512_loadu_ps(b + gld);
+        if (np > 2) g2 = _mm512_loadu_ps(b + 2 * gld);
+        if (np > 3) g3 = _mm512_loadu_ps(b + 3 * gld);
+        if (np > 4) {
+            g4 = _mm512_loadu_ps(b + 4 * gld), g5 = _mm512_loadu_ps(b + 5 * gld);
+            g6 = _mm512_loadu_ps(b + 6 * gld), g7 = _mm512_loadu_ps(b + 7 * gld);
+        }
+    }
     VN_FOLD(0) VN_FOLD(1) VN_FOLD(2) VN_FOLD(3) VN_FOLD(4) VN_FOLD(5)
     VN_FOLD(6) VN_FOLD(7) VN_FOLD(8) VN_FOLD(9) VN_FOLD(10) VN_FOLD(11)
 }
@@ -176,6 +192,9 @@ static inline __attribute__((always_inline)) VN_TARGET void vn_tile(
     const float *xs, long lds, float *y, long ldy, const float *gs, long gld,
     const float *wscale, const float *bias, int ahead) {
     long ps = kp * NR * 2; /* one panel's bytes */
+    if (ahead && gs) /* the next np panels' scales, as their weights are (vn_block) */
+        for (long o = 0; o < np * gld; o += 16) _mm_prefetch((const char *)(gs + np * gld + o),
+                                                             _MM_HINT_T1);
     for (long blk = 0, k0 = 0; k0 < kp; blk++, k0 += kb)
         vn_block(mr, np, blk, k0, k0 + kb < kp ? k0 + kb : kp, ps, pan, x, ldx, xs, lds, y, ldy,
                  gs, gld, ahead);
@@ -218,8 +237,9 @@ static const vn_fn VN_TILES[13][4] = {
     {vn_12_1, vn_12_2, 0, 0}};
 
 /* What one call works on: the inputs as pairs and scales (blocks of kb pairs), the panels,
-   their scales (wscale [n] per column, or gscale [blocks][panels * 16] per group of k, kb
-   pairs a group), the outputs. */
+   their scales (wscale [n] per column, or gscale [panels][blocks][16] per group of k, kb
+   pairs a group: a tile reads its panels' scales in one run, as it reads their weights),
+   the outputs. */
 struct vn_job {
     const uint32_t *xq;
     const float *xs, *wscale, *gscale, *bias;
@@ -232,8 +252,8 @@ struct vn_job {
 static void vn_rows(const struct vn_job *j, long m0, int mr, int np, long q, int ahead) {
     float s64[8 * NR], b64[8 * NR], scratch[12 * 4 * NR];
     long cols = j->n - q * NR < np * NR ? j->n - q * NR : np * NR;
-    const float *gs = j->gscale ? j->gscale + q * NR : NULL;
-    long gld = (j->n + NR - 1) / NR * NR;
+    long gld = j->blocks * NR; /* one panel's scales */
+    const float *gs = j->gscale ? j->gscale + q * gld : NULL;
     if (gs) /* grouped: the scales went in block by block, the end is y + bias */
         for (int c = 0; c < np * NR; c++) s64[c] = 1.0f;
     const float *sc = gs ? s64 : column_view(s64, j->wscale, q * NR, cols, np * NR);
@@ -281,9 +301,9 @@ static void vn_run(const struct vn_job *j, long q0, long q1) {
 }
 
 /* y [m, n] = x [m, k] @ (W * scale)^T + bias, W packed by panel_pack_pairs_i8; group 0:
-   scale [n], one a column; group g (even, 2..I8_MAX_GROUP): scale [ceil(k / g)][panels * 16],
+   scale [n], one a column; group g (even, 2..I8_MAX_GROUP): scale [panels][ceil(k / g)][16],
    one a column for each g of k (the last group may be short), the columns padded to whole
-   panels. Returns SK_OK, SK_BAD_SHAPE (a count, or a group not even or too large),
+   panels with zeros. Returns SK_OK, SK_BAD_SHAPE (a count, or a group not even or too large),
    SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
 int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
                 const float *scale, long group, float *y, int threads) {

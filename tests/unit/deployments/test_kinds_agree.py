@@ -3,7 +3,7 @@ greedy answer through the split app (a prefill replica's KV package, pickled as 
 store would carry it, decoded by a decode replica), through the colocated app (the prompt
 prefilled alone, and again riding in a running stream's decode steps) and through the CLI
 (``python -m app generate``) is the same, at float32, with bf16 panels (``dtype:
-bfloat16``) and with int8 panels (``weights: int8``).
+bfloat16``) and with int8 panels (``weights: int8``, and ``int8-g32``: a scale per 32 of k).
 
 The replica classes are the real ones, built in this process (node id and metrics stubbed),
 each loading the model from a folder as a replica does; the model is the tiny one (peaked
@@ -39,7 +39,9 @@ MAX_TOKENS = 12
 # (dtype, weights, the panels each may hold: the CPU picks the dot-product kind or the
 # widened one, app.packed_linear.weight_plan)
 KINDS = [("float32", None, {"float32"}), ("bfloat16", None, {"bfloat16", "bfloat16dp"}),
-         ("float32", "int8", {"int8", "int8dp"})]
+         ("float32", "int8", {"int8", "int8dp"}),
+         # a scale per 32 of k: VNNI's int8 pairs, or bf16 panels without it
+         ("float32", "int8-g32", {"int8dp-g32", "bfloat16", "bfloat16dp"})]
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +141,8 @@ def _cli(model_dir: Path, dtype: str, weights: str | None) -> dict[str, Any]:
 
 
 @pytest.mark.smollm
-@pytest.mark.parametrize(("dtype", "weights", "panels"), KINDS, ids=["float32", "bf16", "int8"])
+@pytest.mark.parametrize(("dtype", "weights", "panels"), KINDS,
+                         ids=["float32", "bf16", "int8", "int8-g32"])
 async def test_split_colocated_and_cli_give_one_answer(model_dir, smollm_tokenizer,
                                                        replicas_here, dtype, weights, panels):
     ids = PromptBuilder(smollm_tokenizer).encode_prompt(PROMPT)
