@@ -33,11 +33,13 @@ needs_vnni = pytest.mark.skipif(not _vnni(), reason="the CPU has no AVX512-VNNI 
 
 @pytest.fixture
 def kept_to_avx2():
-    """The kernels as an AVX2-only CPU has them (no VNNI, no AVX512-BF16)."""
+    """The kernels as an AVX2-only CPU has them (no VNNI, no AVX512-BF16), then as before
+    (kept to AVX2 still where SPLITSERVE_KERNEL_ISA=avx2 kept them)."""
     lib = load_kernel()
+    before = lib.panel_avx2_only()
     lib.panel_limit_avx2(1)
     yield lib
-    lib.panel_limit_avx2(0)
+    lib.panel_limit_avx2(before)
 
 
 @needs_vnni

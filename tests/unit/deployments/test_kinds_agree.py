@@ -26,6 +26,7 @@ import torch
 
 from app.chat import PromptBuilder
 from app.messages import PrefillRequest, StreamStart
+from app.packed_linear import weight_kind
 from app.sampling import SamplingParams
 from deployments.colocated_server import ColocatedServer
 from deployments.decode_server import DecodeServer
@@ -94,7 +95,7 @@ async def _split(args: dict[str, Any], req: PrefillRequest) -> tuple[list[int], 
     package = pickle.loads(pickle.dumps(await prefill.make_kv_package(req), protocol=5))
     decode = DecodeServer.func_or_class(args)
     try:
-        return await _tokens(decode.generate([_ref(package)])), decode.core.model.lm_head.weights
+        return await _tokens(decode.generate([_ref(package)])), weight_kind(decode.core.model)
     finally:
         await _close(decode)
 
@@ -155,4 +156,4 @@ async def test_split_colocated_and_cli_give_one_answer(model_dir, smollm_tokeniz
     cli = await asyncio.to_thread(_cli, model_dir, dtype, weights)
     assert cli["prompt_token_ids"] == ids
     assert len(split) == MAX_TOKENS
-    assert split == alone == mixed == cli["token_ids"]
+    assert split == alone == mixed == cli["token_ids"], (split, alone, mixed, cli["token_ids"])
