@@ -31,7 +31,8 @@ test: setup
 test-kernels-avx2: setup
 	SPLITSERVE_KERNEL_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 \
 	$(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS) \
-	  tests/unit/deployments/test_kinds_agree.py tests/unit/app/test_int8_checkpoint.py
+	  tests/unit/deployments/test_kinds_agree.py tests/unit/app/test_int8_checkpoint.py \
+	  tests/unit/app/test_gguf_blocks.py
 
 test-unit: setup
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)

@@ -76,23 +76,26 @@ def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
 
 
 # EngineConfig.weights' values: None keeps the weights in the dtype; "int8": weight-only int8
-# with one scale per output channel, "int8-g<N>": one per output channel for each N of k (CPU,
-# the engine's panel kernel; app.packed_linear)
-WEIGHT_FORMATS = (None, "int8", "int8-g<N>")
+# with one scale per output channel, "int8-g<N>": one per output channel for each N of k;
+# "gguf": a GGUF model's own blocks, 32 weights a scale (CPU, the engine's panel kernel;
+# app.packed_linear, app.gguf_blocks)
+WEIGHT_FORMATS = (None, "int8", "int8-g<N>", "gguf")
 INT8_MAX_GROUP = 512  # kernels.h's I8_MAX_GROUP: a group's integer sums stay below 2^31
 
 
 def weight_group(weights: str | None) -> int:
-    """The k a scale covers in an ``int8-g<N>`` weights format (N, even, 2..512), 0 for
-    None and ``int8`` (a scale per output channel). Raises ``ValueError`` for anything
-    else."""
+    """The k a scale covers in an ``int8-g<N>`` weights format (N, even, 2..512) and in
+    ``gguf`` (32: its blocks), 0 for None and ``int8`` (a scale per output channel). Raises
+    ``ValueError`` for anything else."""
     if weights in (None, "int8"):
         return 0
+    if weights == "gguf":
+        return 32
     head, _, tail = str(weights).partition("-g")
     if head != "int8" or not tail.isdigit() or int(tail) % 2 or not (
             2 <= int(tail) <= INT8_MAX_GROUP):
-        raise ValueError(f"weights must be None, 'int8' or 'int8-g<N>' with N even, 2 to "
-                         f"{INT8_MAX_GROUP} (e.g. int8-g32), got {weights!r}")
+        raise ValueError(f"weights must be None, 'int8', 'gguf' or 'int8-g<N>' with N even, 2 "
+                         f"to {INT8_MAX_GROUP} (e.g. int8-g32), got {weights!r}")
     return int(tail)
 
 
@@ -196,7 +199,10 @@ class EngineConfig:
     int8, one scale per output channel, quantized at load (CPU only: the engine's panel
     kernel, activations float32; app.packed_linear); "int8-g<N>" (N even, 2 to 512, e.g.
     int8-g32): a scale per output channel for each N of k, closer to the model for 4/N more
-    bytes a weight (needs AVX512-VNNI; elsewhere the weights stay bf16, with a warning)."""
+    bytes a weight (needs AVX512-VNNI; elsewhere the weights stay bf16, with a warning);
+    "gguf" (a GGUF model, llama, its linears Q8_0, Q4_0 or Q4_1, as the default model's are):
+    the file's own blocks in those panels, a scale and for Q4_1 an offset per 32 of k, no
+    second quantization (app.gguf_blocks; the same fallback without AVX512-VNNI)."""
     device: str = "cpu"
     """Where the model runs: cpu, cuda or cuda:N."""
     device_map: str | None = None

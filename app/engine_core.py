@@ -20,9 +20,10 @@ from app.chat import PromptBuilder
 from app.config import EngineConfig
 from app.decode import Decoder
 from app.decode_loop import DecodeLoop
+from app.fingerprint import fingerprint
 from app.kv_package import KVPackage
 from app.messages import PrefillRequest
-from app.model_loader import fingerprint, load_model, load_tokenizer
+from app.model_loader import load_model, load_tokenizer
 from app.model_runner import ModelRunner
 from app.output import GenerationOutput, StreamDelta, text_deltas
 from app.prefill import Prefiller

@@ -1,4 +1,5 @@
-"""Resolve the ``model`` setting, load weights and tokenizer, and fingerprint the result.
+"""Resolve the ``model`` setting and load weights and tokenizer (app.fingerprint says what
+was loaded).
 
 Accepted forms of ``model``:
 
@@ -8,7 +9,9 @@ Accepted forms of ``model``:
 * a hub id such as ``HuggingFaceTB/SmolLM2-135M-Instruct`` (needs the hub or its local cache).
 
 GGUF files are dequantized once and the result is cached on disk, keyed by the source file's
-identity (resolved path, size, mtime), so later loads read plain safetensors.
+identity (resolved path, size, mtime), so later loads read plain safetensors (with
+``weights: gguf``, the file's own blocks are then read again for the int8 panels:
+app.gguf_blocks).
 """
 
 from __future__ import annotations
@@ -27,15 +30,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from app.config import DEFAULT_MODEL, EngineConfig, dtype_name, resolve_dtype, weight_group
+from app.config import DEFAULT_MODEL, EngineConfig, resolve_dtype, weight_group
 from app.errors import ModelLoadError
-from app.packed_linear import (
-    pack_linears,
-    packing_unavailable,
-    resolve_layout,
-    weight_kind,
-    weight_plan,
-)
+from app.gguf_blocks import attach_gguf_blocks
+from app.packed_linear import pack_linears, packing_unavailable, resolve_layout, weight_plan
 from app.quantized_checkpoint import int8_format, int8_group, load_int8_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -294,6 +292,9 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
         raise _load_error(source, f"model {config.model!r}", exc) from exc
     if (int8 := int8_format(hf_config) is not None) and config.device_map:
         raise ModelLoadError("an int8 checkpoint loads on one device: unset device_map")
+    if config.weights == "gguf" and source.kind != "gguf":
+        raise ModelLoadError(f"weights: gguf serves a GGUF file's own blocks; model "
+                             f"{config.model!r} is not a .gguf file")
     try:
         group = int8_group(hf_config) if int8 else weight_group(config.weights)
         dtype, kind, why = weight_plan(config, int8_checkpoint=int8, int8_group=group)
@@ -315,6 +316,8 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
         model = model.to(config.device)
     check_placement(model, config)
     model = model.eval()
+    if config.weights == "gguf" and kind == "int8dp":  # without VNNI: bf16 panels (weight_plan)
+        attach_gguf_blocks(model, Path(source.location) / str(source.gguf_file))
     if kind is not None:
         count = pack_linears(model, layout="panels", cache_dir=config.resolved_cache_dir,
                              weights=kind, group=group if kind == "int8dp" else 0)
@@ -339,63 +342,3 @@ def check_architecture(model: torch.nn.Module) -> None:
             f"architecture {sorted(archs)} is not supported; supported: "
             f"{sorted(SUPPORTED_ARCHITECTURES)}"
         )
-
-
-@dataclass(frozen=True, slots=True)
-class ModelFingerprint:
-    """Identifies a loaded model: two engines exchange KV only when these are equal."""
-
-    architecture: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    dtype: str
-    weights_digest: str
-
-    def as_str(self) -> str:
-        return (
-            f"{self.architecture}/L{self.num_layers}/kvh{self.num_kv_heads}/hd{self.head_dim}"
-            f"/v{self.vocab_size}/{self.dtype}/{self.weights_digest}"
-        )
-
-
-def weights_digest(model: torch.nn.Module, sample: int = 4096) -> str:
-    """A digest over every parameter's name, shape and a strided sample of its values.
-
-    Hashing all weights would take time in proportion to the model's bytes; a strided sample
-    of each tensor (plus exact shapes) tells apart checkpoints, fine-tunes and dtypes at a
-    fraction of that.
-    """
-    h = hashlib.sha256()
-    for name, param in model.state_dict().items():
-        flat = param.detach().reshape(-1)
-        step = max(1, flat.numel() // sample)
-        picked = flat[::step][:sample].to("cpu", torch.float32).contiguous()
-        h.update(name.encode())
-        h.update(str(tuple(param.shape)).encode())
-        h.update(picked.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def model_dtype(model: torch.nn.Module) -> str:
-    """The dtype ``model`` computes in, and what its panels hold where that differs
-    (``float32+int8``: float32 activations over int8 weights)."""
-    name = dtype_name(model.get_input_embeddings().weight.dtype)
-    kind = weight_kind(model)
-    return name if kind in (None, name) else f"{name}+{kind}"
-
-
-def fingerprint(model: torch.nn.Module) -> ModelFingerprint:
-    cfg = model.config
-    num_heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    return ModelFingerprint(
-        architecture=type(model).__name__,
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        vocab_size=cfg.vocab_size,
-        dtype=model_dtype(model),
-        weights_digest=weights_digest(model),
-    )

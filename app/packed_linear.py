@@ -85,8 +85,9 @@ def weight_plan(config: EngineConfig, int8_checkpoint: bool = False,
     if want == "bfloat16" and lib.panel_has_avx512bf16():
         return torch.float32, "bfloat16dp", "bf16 panels, the CPU's bf16 dot product"
     group = int8_group or weight_group(config.weights)
+    own = "the GGUF file's own blocks in " if config.weights == "gguf" else ""
     if want == "int8" and lib.panel_has_avx512vnni():
-        return (torch.float32, "int8dp", f"int8 panels, one scale per output"
+        return (torch.float32, "int8dp", f"{own}int8 panels, one scale per output"
                 f"{f' for each {group} of k' if group else ''}, the CPU's 16-bit integer dot "
                 f"product (inputs as 16-bit integers per block of {group or 256})")
     if want == "int8" and group:
@@ -171,13 +172,33 @@ def quantize_int8(weight: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, t
     return q.contiguous(), scale.contiguous()
 
 
-def kernel_scales(scale: torch.Tensor, nr: int) -> torch.Tensor:
+def kernel_scales(scale: torch.Tensor, nr: int,
+                  offset: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped scales [n, groups] as the kernel reads them, panel by panel: [panels, groups,
-    ``nr``], the last panel's columns past n zero (linear_i8dp)."""
-    n, groups = scale.shape
-    padded = torch.zeros(-(-n // nr) * nr, groups, dtype=torch.float32)
-    padded[:n] = scale
-    return padded.view(-1, nr, groups).transpose(1, 2).contiguous()
+    ``nr``], the last panel's columns past n zero; with offsets [panels, groups, 2, ``nr``],
+    a group's scales and then its offsets (linear_i8dp)."""
+    def by_panel(t: torch.Tensor) -> torch.Tensor:
+        n, groups = t.shape
+        padded = torch.zeros(-(-n // nr) * nr, groups, dtype=torch.float32)
+        padded[:n] = t
+        return padded.view(-1, nr, groups).transpose(1, 2)
+
+    if offset is None:
+        return by_panel(scale).contiguous()
+    return torch.stack([by_panel(scale), by_panel(offset)], dim=2).contiguous()
+
+
+def _int8_weight(linear: nn.Linear, group: int) -> tuple[torch.Tensor, ...]:
+    """A linear's int8 weight, scales and offsets (None where it has none): a checkpoint's
+    own (``CHECKPOINT_INT8``), else :func:`quantize_int8`'s."""
+    own = getattr(linear, CHECKPOINT_INT8, None)
+    q, scale, offset = (*own, None)[:3] if own else (*quantize_int8(linear.weight, group), None)
+    n, k = linear.out_features, linear.in_features
+    shape = (n, -(-k // group)) if group else (n,)
+    if tuple(scale.shape) != shape or (offset is not None and tuple(offset.shape) != shape):
+        raise ValueError(f"int8 scales {tuple(scale.shape)} do not fit weights [{n}, {k}] "
+                         f"with a scale per {group or k} of k")
+    return q, scale, offset
 
 
 class PanelLinear(nn.Module):
@@ -188,8 +209,9 @@ class PanelLinear(nn.Module):
     the bytes: the weight rounded to bf16) or ``int8`` (a quarter: :func:`quantize_int8`, one
     scale per output); ``bfloat16dp`` and ``int8dp`` hold the same in pairs of k for the
     CPU's dot products (their inputs enter as bf16 / as 16-bit integers scaled per block of
-    256). ``group`` (``int8dp`` only): a scale per output for each ``group`` of k. Outputs are
-    float32 in every kind.
+    256). ``group`` (``int8dp`` only): a scale per output for each ``group`` of k (and an
+    offset, where a checkpoint's weights have them: app.gguf_blocks). Outputs are float32 in
+    every kind.
 
     ``weight`` is the model's parameter for ``float32``, and, to hold no float32 copy, the
     rounded weight for the others (``bfloat16``; ``int8``: the int8 weight, its scales in
@@ -202,7 +224,7 @@ class PanelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, cache_dir: Path | None = None,
                  weights: str = "float32", keep_weight: bool = False, group: int = 0) -> None:
         super().__init__()
-        self.wtype = wtype_code(weights, group)  # raises ValueError for a kind it lacks
+        wtype_code(weights, group)  # raises ValueError for a kind it lacks
         self._lib = load_kernel(cache_dir)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -211,7 +233,7 @@ class PanelLinear(nn.Module):
         self.bias = linear.bias
         n, k = self.out_features, self.in_features
         count = self._lib.panel_floats(n, k)
-        scale = None
+        scale = offset = None
         if weights == "float32":
             w = linear.weight.detach().float().contiguous()
             panels = torch.empty(count, dtype=torch.float32)
@@ -219,11 +241,7 @@ class PanelLinear(nn.Module):
             self.weight = linear.weight
         else:
             if weights in ("int8", "int8dp"):  # a checkpoint's own, else quantized here
-                w, scale = (getattr(linear, CHECKPOINT_INT8, None)
-                            or quantize_int8(linear.weight, group))
-                if tuple(scale.shape) != ((n, -(-k // group)) if group else (n,)):
-                    raise ValueError(f"int8 scales {tuple(scale.shape)} do not fit weights "
-                                     f"[{n}, {k}] with a scale per {group or k} of k")
+                w, scale, offset = _int8_weight(linear, group)
             else:
                 w = linear.weight.detach().to(torch.bfloat16).contiguous()
             if weights in ("bfloat16dp", "int8dp"):  # pairs of k, for the dot products
@@ -244,8 +262,10 @@ class PanelLinear(nn.Module):
                 self.register_buffer("weight", w)
         self.register_buffer("panels", panels, persistent=False)
         self.register_buffer("weight_scale", scale)  # int8's column scales, else None
-        # what the kernel reads: the column scales, grouped ones [groups, panels * 16]
-        self.register_buffer("kernel_scale", kernel_scales(scale, self._lib.panel_nr())
+        self.register_buffer("weight_offset", offset)  # grouped int8's offsets, if any
+        self.wtype = wtype_code(weights, group, offset is not None)
+        # what the kernel reads: the column scales, grouped ones panel by panel
+        self.register_buffer("kernel_scale", kernel_scales(scale, self._lib.panel_nr(), offset)
                              if group else scale, persistent=False)
         self._bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
@@ -253,7 +273,8 @@ class PanelLinear(nn.Module):
         """The weight as a ``dtype`` matrix (an int8 one dequantized)."""
         if self.weight.dtype == torch.int8:
             assert self.weight_scale is not None
-            return dequantize(self.weight, self.weight_scale, self.group).to(dtype)
+            return dequantize(self.weight, self.weight_scale, self.group,
+                              self.weight_offset).to(dtype)
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,14 +300,17 @@ class PanelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.group else ""
+        group += ", offsets" if self.weight_offset is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, layout=panels, weights={self.weights}{group}")
 
 
 def weight_kind(model: nn.Module) -> str | None:
     """What ``model``'s panel-packed linears hold (``float32``, ``bfloat16``, ``int8``, ...;
-    ``int8dp-g32``: int8 pairs with a scale per 32 of k), or None when it has none."""
-    kinds = {f"{m.weights}-g{m.group}" if m.group else m.weights
+    ``int8dp-g32``: int8 pairs with a scale per 32 of k, ``int8dp-g32-offsets`` and an
+    offset), or None when it has none."""
+    kinds = {m.weights + (f"-g{m.group}" if m.group else "")
+             + ("-offsets" if m.weight_offset is not None else "")
              for m in model.modules() if isinstance(m, PanelLinear)}
     assert len(kinds) <= 1, f"mixed panel kinds {kinds}"
     return next(iter(kinds), None)

@@ -38,7 +38,8 @@ from app.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-# a linear's attribute: (int8 [out, in], float32 scales [out], or [out, groups] grouped)
+# a linear's attribute: (int8 [out, in], float32 scales [out], or [out, groups] grouped, and
+# where it has them offsets [out, groups]: app.gguf_blocks)
 CHECKPOINT_INT8 = "checkpoint_int8"
 FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
 SCHEME = ("8-bit symmetric integer weights with one scale per output channel (or per "
@@ -192,12 +193,15 @@ def _scales(prefix: str, scale: torch.Tensor, shape: torch.Size, group: int) -> 
     return scale.reshape(-1).expand(shape[0]).contiguous()
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, group: int = 0) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, group: int = 0,
+               offset: torch.Tensor | None = None) -> torch.Tensor:
     """int8 [out, in] times its scales in float32: [out], or with a ``group``
-    [out, ceil(in / group)], each over its group of k (the last may be short)."""
+    [out, ceil(in / group)], each over its group of k (the last may be short), plus the
+    group's ``offset`` where there is one."""
     if not group:
         return q.float() * scale[:, None]
-    return q.float() * scale.repeat_interleave(group, dim=1)[:, :q.shape[1]]
+    w = q.float() * scale.repeat_interleave(group, dim=1)[:, :q.shape[1]]
+    return w if offset is None else w + offset.repeat_interleave(group, dim=1)[:, :q.shape[1]]
 
 
 def load_int8_checkpoint(where: str, hf_config: Any, keep_integers: bool = True):

@@ -11,10 +11,10 @@ AVX-512 tiles, bf16 or VNNI dot products: ``bfloat16+packed+avx2`` holds widened
 ``SPLITSERVE_KERNEL_ISA=avx2`` does it for every variant and for torch's own choice too
 with ``ATEN_CPU_CAPABILITY=avx2``); ``+kvf32``
 for a float32 KV pool (and packages) where the dtype would hold them in bf16; ``+int8``
-for weight-only int8 panels, ``+int8-g32`` (any ``int8-g<N>``) with a scale per 32 of k
-(``EngineConfig.weights``; a ``bfloat16+packed`` variant holds
-bf16 panels, app.packed_linear.weight_plan); side by
-side, interleaved in rounds so that a busy spell of a shared machine hits every figure alike):
+for weight-only int8 panels, ``+int8-g32`` (any ``int8-g<N>``) with a scale per 32 of k,
+``+gguf`` for a GGUF model's own blocks in them (``EngineConfig.weights``; a
+``bfloat16+packed`` variant holds bf16 panels, app.packed_linear.weight_plan); side by side,
+interleaved in rounds so that a busy spell of a shared machine hits every figure alike):
 
 * the floor: one GEMV (``[1, K] @ [K, N]``) over as many bytes as the model's weights, the
   least a decode step must read;
@@ -146,7 +146,7 @@ class Variant:
     def __init__(self, name: str, threads: int, prefill: bool = True,
                  model: str = DEFAULT_MODEL) -> None:
         dtype, *flags = name.split("+")
-        weights = [f for f in flags if f.startswith("int8")]
+        weights = [f for f in flags if f.startswith("int8") or f == "gguf"]
         unknown = set(flags) - {"packed", "onednn", "gather", "unfused", "avx2", "kvf32",
                                 *weights[:1]}
         if unknown:

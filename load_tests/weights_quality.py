@@ -1,8 +1,9 @@
 """What holding the weights in fewer bytes costs in quality, against the float32 model.
 
 For each variant (the engine's bf16 panels, its int8 panels with a scale per output and with
-one per 32 and per 128 of k, and transformers' own bf16 model for comparison: what a bf16
-server computes), over a fixed set of prompts:
+one per 32 and per 128 of k, for a GGUF model its own blocks in int8 panels, and
+transformers' own bf16 model for comparison: what a bf16 server computes), over a fixed set
+of prompts:
 
 * greedy agreement: the variant's greedy continuation (``max_new`` tokens) against the
   float32 model's: how many prompts agree on every token, and the mean count of tokens
@@ -40,7 +41,8 @@ from app.config import (
     cpu_flags,
     kernel_isa,
 )
-from app.model_loader import load_model, load_tokenizer, model_dtype
+from app.fingerprint import model_dtype
+from app.model_loader import load_model, load_tokenizer, resolve_model
 
 PROMPTS = (
     "The capital of France is", "def fibonacci(n):", "List three primary colors:",
@@ -94,6 +96,8 @@ def logprobs(model, ids: list[int], cont: list[int]) -> tuple[torch.Tensor, torc
 def measure(model_name: str, max_new: int, checkpoints: tuple[Path, ...] = ()) -> dict:
     base = EngineConfig(model=model_name)
     variants = dict(VARIANTS)
+    if resolve_model(model_name).kind == "gguf":
+        variants["engine int8 panels, the GGUF file's own blocks"] = {"weights": "gguf"}
     for checkpoint in checkpoints:
         variants[f"int8 checkpoint {checkpoint.name}"] = {"model": str(checkpoint)}
     tok = load_tokenizer(base)

@@ -91,9 +91,9 @@ def measure_engine(num_threads: int, *, repeats: int = 3, model: str | None = No
 def _time_passes(core: Any, num_threads: int, repeats: int, quick: bool) -> dict[str, Any]:
     import torch
 
+    from app.fingerprint import model_dtype
     from app.kv_cache import DEFAULT_BLOCK_SIZE, contiguous_tables
     from app.messages import PrefillRequest
-    from app.model_loader import model_dtype
     from app.prefill import Prefiller
     from app.sampling import SamplingParams
 

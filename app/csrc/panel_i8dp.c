@@ -71,9 +71,10 @@ int panel_has_avx512vnni(void) {
 }
 
 /* x [m, k] float32 into xq [m, kp] pairs of int16 and xs [m, blocks] their blocks' scales
-   (blocks of kb pairs). */
+   (blocks of kb pairs); where xsum is not NULL, each block's sum of the inputs as they enter
+   the products (its integers' exact sum times its scale) into xsum [m, blocks]. */
 static VN_TARGET void to_i16(const float *x, long m, long k, long kb, uint32_t *xq,
-                             float *xs) {
+                             float *xs, float *xsum) {
     long kp = (k + 1) / 2, blocks = (kp + kb - 1) / kb;
     for (long i = 0; i < m; i++) {
         const float *src = x + i * k;
@@ -92,12 +93,16 @@ static VN_TARGET void to_i16(const float *x, long m, long k, long kb, uint32_t *
             int finite = _mm512_reduce_add_ps(bad) == 0.0f;
             xs[i * blocks + b] = finite ? amax / 32767.0f : NAN;
             __m512 inv = _mm512_set1_ps(finite && amax > 0.0f ? 32767.0f / amax : 0.0f);
+            __m512i sum = _mm512_setzero_si512();
             for (long d = k0; d < k1; d += 16) {
                 __mmask16 mask = k1 - d >= 16 ? 0xFFFF : (__mmask16)((1u << (k1 - d)) - 1);
                 __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, src + d), inv);
                 __m512i q = _mm512_cvtps_epi32(v);
+                sum = _mm512_add_epi32(sum, q); /* at most 512 x 32767: exact */
                 _mm256_mask_storeu_epi16(dst + d, mask, _mm512_cvtsepi32_epi16(q));
             }
+            if (xsum)
+                xsum[i * blocks + b] = xs[i * blocks + b] * (float)_mm512_reduce_add_epi32(sum);
         }
         if (k % 2) dst[k] = 0;
     }
@@ -123,14 +128,19 @@ static VN_TARGET void to_i16(const float *x, long m, long k, long kb, uint32_t *
         if (np > 4) DPW(c##i##7, b, w7);                                                     \
     }
 /* a block's integer sums, times the row's scale for it (and grouped weights' column scales
-   for the block), into the float sums in y */
+   for the block), into the float sums in y; with offsets, then the block's offsets times
+   the row's sum of its inputs */
 #define VN_FOLD1(i, j)                                                                       \
     {                                                                                        \
         float *o = y + (i) * ldy + (j) * NR;                                                 \
         __m512 v = _mm512_cvtepi32_ps(c##i##j), s = _mm512_set1_ps(xs[(i) * lds + blk]);    \
-        if (gs) s = _mm512_mul_ps(s, g##j);                                                  \
-        _mm512_storeu_ps(o, blk ? _mm512_fmadd_ps(v, s, _mm512_loadu_ps(o))                  \
-                                : _mm512_mul_ps(v, s));                                      \
+        if (gp) s = _mm512_mul_ps(s, g##j);                                                  \
+        __m512 t = blk ? _mm512_fmadd_ps(v, s, _mm512_loadu_ps(o)) : _mm512_mul_ps(v, s);    \
+        if (gp && gp->xsum)                                                                  \
+            t = _mm512_fmadd_ps(_mm512_set1_ps(gp->xsum[(i) * lds + blk]),                   \
+                                _mm512_loadu_ps(gp->gs + (j) * gp->gld + blk * 2 * NR + NR), \
+                                t);                                                          \
+        _mm512_storeu_ps(o, t);                                                              \
     }
 #define VN_FOLD(i)                                                                           \
     if (mr > i) {                                                                            \
@@ -142,15 +152,22 @@ static VN_TARGET void to_i16(const float *x, long m, long k, long kb, uint32_t *
     }
 #define VN_W(j) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + (j) * ps)))
 
+/* Grouped weights' scales for a tile: gs the tile's first panel's, block by block (16
+   scales a block, or with offsets 16 scales and then 16 offsets), the next panel's gld
+   floats on; xsum (offsets only, else NULL) its rows' inputs' sums, a row's lds on. */
+struct vn_grp {
+    const float *gs, *xsum;
+    long gld;
+};
+
 /* One block of k, pairs [k0, k1) (block blk), of mr rows (pairs, stride ldx; scales stride
    lds) x np panels (mr * np <= 24; np 8 for up to 2 rows): the integer sums, times each
-   row's scale (and, grouped weights, gs: the tile's first panel's column scales, a block's
-   16 after the last's, the next panel's gld floats on), into the float sums in y (stride
-   ldy). With `ahead`, the np panels after
+   row's scale (and, grouped weights, gp: the block's column scales; with offsets, plus the
+   offsets times the rows' sums), into the float sums in y (stride ldy). With `ahead`, the np panels after
    these are fetched towards L2 as these are read. */
 static inline __attribute__((always_inline)) VN_TARGET void vn_block(
     int mr, int np, long blk, long k0, long k1, long ps, const int8_t *pan, const uint32_t *x,
-    long ldx, const float *xs, long lds, float *y, long ldy, const float *gs, long gld,
+    long ldx, const float *xs, long lds, float *y, long ldy, const struct vn_grp *gp,
     int ahead) {
     VN_DECL(0); VN_DECL(1); VN_DECL(2); VN_DECL(3); VN_DECL(4); VN_DECL(5);
     VN_DECL(6); VN_DECL(7); VN_DECL(8); VN_DECL(9); VN_DECL(10); VN_DECL(11);
@@ -170,8 +187,9 @@ static inline __attribute__((always_inline)) VN_TARGET void vn_block(
     }
     __m512 g0 = _mm512_setzero_ps(), g1 = g0, g2 = g0, g3 = g0, g4 = g0, g5 = g0, g6 = g0,
            g7 = g0; /* grouped weights: the block's column scales, once for every row */
-    if (gs) {
-        const float *b = gs + blk * NR;
+    if (gp) {
+        long gld = gp->gld;
+        const float *b = gp->gs + blk * (gp->xsum ? 2 * NR : NR);
         g0 = _mm512_loadu_ps(b);
         if (np > 1) g1 = _mm512_loadu_ps(b + gld);
         if (np > 2) g2 = _mm512_loadu_ps(b + 2 * gld);
@@ -189,15 +207,15 @@ static inline __attribute__((always_inline)) VN_TARGET void vn_block(
    tile's np * 16 columns. */
 static inline __attribute__((always_inline)) VN_TARGET void vn_tile(
     int mr, int np, long kp, long kb, const int8_t *pan, const uint32_t *x, long ldx,
-    const float *xs, long lds, float *y, long ldy, const float *gs, long gld,
+    const float *xs, long lds, float *y, long ldy, const struct vn_grp *gp,
     const float *wscale, const float *bias, int ahead) {
     long ps = kp * NR * 2; /* one panel's bytes */
-    if (ahead && gs) /* the next np panels' scales, as their weights are (vn_block) */
-        for (long o = 0; o < np * gld; o += 16) _mm_prefetch((const char *)(gs + np * gld + o),
-                                                             _MM_HINT_T1);
+    if (ahead && gp) /* the next np panels' scales, as their weights are (vn_block) */
+        for (long o = 0; o < np * gp->gld; o += 16)
+            _mm_prefetch((const char *)(gp->gs + np * gp->gld + o), _MM_HINT_T1);
     for (long blk = 0, k0 = 0; k0 < kp; blk++, k0 += kb)
         vn_block(mr, np, blk, k0, k0 + kb < kp ? k0 + kb : kp, ps, pan, x, ldx, xs, lds, y, ldy,
-                 gs, gld, ahead);
+                 gp, ahead);
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np; j++) {
             float *o = y + i * ldy + j * NR;
@@ -213,15 +231,15 @@ static inline __attribute__((always_inline)) VN_TARGET void vn_tile(
 #undef VN_W
 
 typedef void (*vn_fn)(long, long, const int8_t *, const uint32_t *, long, const float *,
-                      long, float *, long, const float *, long, const float *, const float *,
-                      int);
+                      long, float *, long, const struct vn_grp *, const float *,
+                      const float *, int);
 #define VN(m, p)                                                                             \
     static VN_TARGET void vn_##m##_##p(long kp, long kb, const int8_t *pan,                  \
                                        const uint32_t *x, long ldx, const float *xs,         \
-                                       long lds, float *y, long ldy, const float *gs,        \
-                                       long gld, const float *wscale, const float *bias,     \
-                                       int ahead) {                                          \
-        vn_tile(m, p, kp, kb, pan, x, ldx, xs, lds, y, ldy, gs, gld, wscale, bias, ahead);   \
+                                       long lds, float *y, long ldy,                         \
+                                       const struct vn_grp *gp, const float *wscale,         \
+                                       const float *bias, int ahead) {                       \
+        vn_tile(m, p, kp, kb, pan, x, ldx, xs, lds, y, ldy, gp, wscale, bias, ahead);        \
     }
 VN(1, 1) VN(1, 2) VN(1, 4) VN(1, 8) VN(2, 1) VN(2, 2) VN(2, 4) VN(2, 8) VN(3, 1) VN(3, 2) VN(3, 4)
 VN(4, 1) VN(4, 2) VN(4, 4) VN(5, 1) VN(5, 2) VN(5, 4) VN(6, 1) VN(6, 2) VN(6, 4)
@@ -236,13 +254,14 @@ static const vn_fn VN_TILES[13][4] = {
     {vn_9_1, vn_9_2, 0, 0}, {vn_10_1, vn_10_2, 0, 0}, {vn_11_1, vn_11_2, 0, 0},
     {vn_12_1, vn_12_2, 0, 0}};
 
-/* What one call works on: the inputs as pairs and scales (blocks of kb pairs), the panels,
-   their scales (wscale [n] per column, or gscale [panels][blocks][16] per group of k, kb
-   pairs a group: a tile reads its panels' scales in one run, as it reads their weights),
-   the outputs. */
+/* What one call works on: the inputs as pairs and scales (blocks of kb pairs; with offsets
+   their sums too), the panels, their scales (wscale [n] per column, or gscale
+   [panels][blocks][16], with offsets [panels][blocks][2][16], per group of k, kb pairs a
+   group: a tile reads its panels' scales in one run, as it reads their weights), the
+   outputs. */
 struct vn_job {
     const uint32_t *xq;
-    const float *xs, *wscale, *gscale, *bias;
+    const float *xs, *xsum, *wscale, *gscale, *bias;
     const int8_t *p;
     float *y;
     long m, kp, kb, blocks, n;
@@ -252,22 +271,24 @@ struct vn_job {
 static void vn_rows(const struct vn_job *j, long m0, int mr, int np, long q, int ahead) {
     float s64[8 * NR], b64[8 * NR], scratch[12 * 4 * NR];
     long cols = j->n - q * NR < np * NR ? j->n - q * NR : np * NR;
-    long gld = j->blocks * NR; /* one panel's scales */
-    const float *gs = j->gscale ? j->gscale + q * gld : NULL;
-    if (gs) /* grouped: the scales went in block by block, the end is y + bias */
+    long gld = j->blocks * NR * (j->xsum ? 2 : 1); /* one panel's scales (and offsets) */
+    struct vn_grp grp = {j->gscale ? j->gscale + q * gld : NULL,
+                         j->xsum ? j->xsum + m0 * j->blocks : NULL, gld};
+    const struct vn_grp *gp = j->gscale ? &grp : NULL;
+    if (gp) /* grouped: the scales went in block by block, the end is y + bias */
         for (int c = 0; c < np * NR; c++) s64[c] = 1.0f;
-    const float *sc = gs ? s64 : column_view(s64, j->wscale, q * NR, cols, np * NR);
+    const float *sc = gp ? s64 : column_view(s64, j->wscale, q * NR, cols, np * NR);
     const float *b = column_view(b64, j->bias, q * NR, cols, np * NR);
     vn_fn tile = VN_TILES[mr][np == 8 ? 3 : np == 4 ? 2 : np - 1];
     const int8_t *pan = j->p + q * j->kp * NR * 2;
     const uint32_t *x = j->xq + m0 * j->kp;
     const float *xs = j->xs + m0 * j->blocks;
     if (cols == np * NR) {
-        tile(j->kp, j->kb, pan, x, j->kp, xs, j->blocks, j->y + m0 * j->n + q * NR, j->n, gs,
-             gld, sc, b, ahead);
+        tile(j->kp, j->kb, pan, x, j->kp, xs, j->blocks, j->y + m0 * j->n + q * NR, j->n, gp,
+             sc, b, ahead);
         return;
     }
-    tile(j->kp, j->kb, pan, x, j->kp, xs, j->blocks, scratch, np * NR, gs, gld, sc, b, ahead);
+    tile(j->kp, j->kb, pan, x, j->kp, xs, j->blocks, scratch, np * NR, gp, sc, b, ahead);
     for (int i = 0; i < mr; i++)
         memcpy(j->y + (m0 + i) * j->n + q * NR, scratch + i * np * NR, cols * sizeof(float));
 }
@@ -303,25 +324,29 @@ static void vn_run(const struct vn_job *j, long q0, long q1) {
 /* y [m, n] = x [m, k] @ (W * scale)^T + bias, W packed by panel_pack_pairs_i8; group 0:
    scale [n], one a column; group g (even, 2..I8_MAX_GROUP): scale [panels][ceil(k / g)][16],
    one a column for each g of k (the last group may be short), the columns padded to whole
-   panels with zeros. Returns SK_OK, SK_BAD_SHAPE (a count, or a group not even or too large),
+   panels with zeros; offsets (grouped only): W = q * scale + offset, scale
+   [panels][ceil(k / g)][2][16], each group's 16 scales and then its 16 offsets. Returns
+   SK_OK, SK_BAD_SHAPE (a count, a group not even or too large, offsets without a group),
    SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
 int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
-                const float *scale, long group, float *y, int threads) {
+                const float *scale, long group, int offsets, float *y, int threads) {
     if (!panel_has_avx512vnni()) return SK_NO_ISA;
     if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
-    if (group < 0 || group % 2 || group > I8_MAX_GROUP) return SK_BAD_SHAPE;
+    if (group < 0 || group % 2 || group > I8_MAX_GROUP || (offsets && !group))
+        return SK_BAD_SHAPE;
     long kp = (k + 1) / 2, panels = (n + NR - 1) / NR, kb = group ? group / 2 : KB;
     long blocks = (kp + kb - 1) / kb;
     uint32_t *xq = malloc(sizeof(uint32_t) * (size_t)(m * kp));
-    float *xs = malloc(sizeof(float) * (size_t)(m * blocks));
+    float *xs = malloc(sizeof(float) * (size_t)(m * blocks) * (offsets ? 2 : 1));
     if (xq == NULL || xs == NULL) {
         free(xq);
         free(xs);
         return SK_NO_MEMORY;
     }
-    to_i16(x, m, k, kb, xq, xs);
-    struct vn_job job = {xq, xs, group ? NULL : scale, group ? scale : NULL, bias, p, y, m, kp,
-                         kb, blocks, n};
+    float *xsum = offsets ? xs + m * blocks : NULL;
+    to_i16(x, m, k, kb, xq, xs, xsum);
+    struct vn_job job = {xq, xs, xsum, group ? NULL : scale, group ? scale : NULL, bias, p, y, m,
+                         kp, kb, blocks, n};
     if (threads > panels) threads = (int)panels;
     if (threads <= 1 || m * n * k < 65536) {
         vn_run(&job, 0, panels);

@@ -62,6 +62,30 @@ def test_a_grouped_product_is_its_weights_and_the_same_in_any_batch(n, k, group)
 
 
 @needs_vnni
+@pytest.mark.parametrize(("n", "k", "group"), [(96, 64, 32), (100, 71, 32), (40, 1100, 512)])
+@torch.inference_mode()
+def test_an_offset_per_group_is_added_as_the_weights_say(n, k, group):
+    """Weights ``q * scale + offset`` (a GGUF Q4_1 block's form: app.gguf_blocks): the
+    offsets times each group's inputs' sum join the products, in any batch alike."""
+    torch.manual_seed(n)
+    linear = nn.Linear(k, n)
+    groups = -(-k // group)
+    q = torch.randint(0, 16, (n, k), dtype=torch.int8)
+    scale, offset = torch.rand(n, groups) * 0.02, torch.randn(n, groups) * 0.1
+    setattr(linear, CHECKPOINT_INT8, (q, scale, offset))
+    panel = PanelLinear(linear, weights="int8dp", group=group)
+    assert panel.wtype == wtype_code("int8dp", group, offsets=True)
+    weight = dequantize(q, scale, group, offset)
+    for m in (1, 2, 7, 8, 49):
+        x = torch.randn(m, k)
+        got = panel(x)
+        want = F.linear(_inputs(x, "int8dp", group), weight, linear.bias)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * k ** 0.5)
+        assert torch.equal(panel(x[m // 2:m // 2 + 1])[0], got[m // 2])  # batch of one
+    assert torch.equal(panel.plain_weight(torch.float32), weight)
+
+
+@needs_vnni
 @torch.inference_mode()
 def test_a_scale_per_group_follows_weights_whose_size_changes_along_k():
     """Where a row's weights are large in one part of k and small in the rest, one scale a

@@ -10,7 +10,7 @@ from torch import nn
 from app.config import EngineConfig, KernelConfig
 from app.cpu_kernels import kernel_unavailable
 from app.engine_core import EngineCore
-from app.model_loader import fingerprint
+from app.fingerprint import fingerprint
 from app.packed_linear import PackedLinear, PanelLinear, pack_linears, packing_unavailable
 from tests.conftest import engine_greedy, hf_greedy, make_tiny_model
 

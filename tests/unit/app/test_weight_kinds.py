@@ -13,7 +13,7 @@ from torch import nn
 from app.config import EngineConfig, resolve_dtype
 from app.cpu_kernels import kernel_unavailable, load_kernel
 from app.engine_core import EngineCore
-from app.model_loader import fingerprint
+from app.fingerprint import fingerprint
 from app.packed_linear import PanelLinear, pack_linears, quantize_int8, weight_kind, weight_plan
 from tests.conftest import engine_greedy, hf_greedy, make_tiny_model
 
@@ -180,7 +180,7 @@ def test_kept_to_avx2_auto_chooses_float32_and_a_bad_value_is_named(monkeypatch)
 
 
 def test_weight_plan_takes_the_kind_the_cpu_has_and_refuses_what_cannot_run():
-    with pytest.raises(ValueError, match="weights must be None, 'int8' or 'int8-g<N>'"):
+    with pytest.raises(ValueError, match="weights must be None, 'int8', 'gguf' or 'int8-g<N>'"):
         EngineConfig(weights="int4")
     with pytest.raises(ValueError, match="int8 runs on the CPU"):
         EngineConfig(weights="int8", device="cuda")
