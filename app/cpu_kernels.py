@@ -80,20 +80,22 @@ BUILD_TIMEOUT_S = 300.0
 WTYPES = {"float32": 0, "bfloat16": 1, "int8": 2, "bfloat16dp": 3, "int8dp": 4}
 I8_GROUP_SHIFT = 8  # kernels.h: a group of k rides in a wtype's upper bits
 I8_OFFSETS = 0x80  # kernels.h: and an offset per group, this bit
+I8_HALF = 0x40  # kernels.h: the group's scales (and offsets) in float16, this one
 
 
-def wtype_code(weights: str, group: int = 0, offsets: bool = False) -> int:
+def wtype_code(weights: str, group: int = 0, offsets: bool = False, half: bool = False) -> int:
     """panel_linear_w's wtype for panels of ``weights`` (a WTYPES kind), int8dp's with a
-    scale per ``group`` of k (0: per output) and an offset per group where ``offsets``.
-    Raises ``ValueError`` for a kind it lacks, a group on another kind, offsets without a
-    group."""
+    scale per ``group`` of k (0: per output), an offset per group where ``offsets``, those
+    in float16 where ``half``. Raises ``ValueError`` for a kind it lacks, a group on another
+    kind, offsets or half without a group."""
     if weights not in WTYPES:
         raise ValueError(f"weights must be one of {sorted(WTYPES)}, got {weights!r}")
     if group and weights != "int8dp":
         raise ValueError(f"a scale per group of k needs int8dp panels, not {weights}")
-    if offsets and not group:
-        raise ValueError("an offset per group needs a group of k")
-    return WTYPES[weights] | (group << I8_GROUP_SHIFT) | (I8_OFFSETS if offsets else 0)
+    if (offsets or half) and not group:
+        raise ValueError("offsets and float16 scales need a group of k")
+    return (WTYPES[weights] | (group << I8_GROUP_SHIFT) | (I8_OFFSETS if offsets else 0)
+            | (I8_HALF if half else 0))
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -54,10 +54,11 @@ def _hf_name(name: str) -> str | None:
 def decode(kind: str, raw: np.ndarray, rows: int, cols: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One tensor's blocks (``raw``: its bytes, row by row) as int8 [rows, cols], scales
-    [rows, cols / 32] and offsets (``Q4_1``; else None), float32."""
+    [rows, cols / 32] and offsets (``Q4_1``; else None), float16 as the file holds them
+    (the kernel reads them so: half the bytes of float32's)."""
     width = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // GROUP, width)
-    scale = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    scale = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
     offset = None
     if kind == "Q8_0":
         q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))
@@ -68,8 +69,7 @@ def decode(kind: str, raw: np.ndarray, rows: int, cols: int
         if kind == "Q4_0":
             q = q - 8
         else:
-            offset = torch.from_numpy(
-                blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+            offset = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
     return q.reshape(rows, cols).contiguous(), scale.contiguous(), offset
 
 

@@ -176,10 +176,11 @@ def kernel_scales(scale: torch.Tensor, nr: int,
                   offset: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped scales [n, groups] as the kernel reads them, panel by panel: [panels, groups,
     ``nr``], the last panel's columns past n zero; with offsets [panels, groups, 2, ``nr``],
-    a group's scales and then its offsets (linear_i8dp)."""
+    a group's scales and then its offsets, in their dtype (float32, or float16 as a GGUF
+    file's: linear_i8dp)."""
     def by_panel(t: torch.Tensor) -> torch.Tensor:
         n, groups = t.shape
-        padded = torch.zeros(-(-n // nr) * nr, groups, dtype=torch.float32)
+        padded = torch.zeros(-(-n // nr) * nr, groups, dtype=t.dtype)
         padded[:n] = t
         return padded.view(-1, nr, groups).transpose(1, 2)
 
@@ -263,7 +264,8 @@ class PanelLinear(nn.Module):
         self.register_buffer("panels", panels, persistent=False)
         self.register_buffer("weight_scale", scale)  # int8's column scales, else None
         self.register_buffer("weight_offset", offset)  # grouped int8's offsets, if any
-        self.wtype = wtype_code(weights, group, offset is not None)
+        self.wtype = wtype_code(weights, group, offset is not None,
+                                bool(group) and scale.dtype == torch.float16)
         # what the kernel reads: the column scales, grouped ones panel by panel
         self.register_buffer("kernel_scale", kernel_scales(scale, self._lib.panel_nr(), offset)
                              if group else scale, persistent=False)

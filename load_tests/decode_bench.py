@@ -123,7 +123,8 @@ def join_gap(core: EngineCore, steps: int) -> dict[str, float]:
 def step_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights a decode step reads: every parameter but the input embedding's (a
     step reads only its rows); an LM head tied to the embedding is read once, as the head;
-    a panel-packed linear is read as its panels (and int8 scales), not as its parameter (a
+    a panel-packed linear is read as its panels (and int8 scales and offsets as the kernel
+    holds them), not as its parameter (a
     tied head's bf16 or int8 panels, where the parameter stays the float32 embedding)."""
     embedding = model.get_input_embeddings()
     seen: dict[int, torch.Tensor] = {}
@@ -131,7 +132,7 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
         if module is embedding:
             continue
         if isinstance(module, PanelLinear):
-            for t in (module.panels, module.weight_scale, module.bias):
+            for t in (module.panels, module.kernel_scale, module.bias):
                 if t is not None:
                     seen[id(t)] = t
             continue

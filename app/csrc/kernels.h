@@ -34,7 +34,9 @@ const char *sk_status_message(int status);
 /* panel_gemm.c: panels of 16 output columns, float32 / bf16 / int8. panel_linear_w's wtype is
  * the kind of weight (panel_gemm.c's W_*) plus, for int8 pair panels (W_I8DP) with a scale per
  * group of k instead of per column, the group's length times I8_GROUP_SHIFT's power of two,
- * and I8_OFFSETS where each group has an offset too. */
+ * I8_OFFSETS where each group has an offset too, I8_HALF where its scales (and offsets) are
+ * float16. */
+#define I8_HALF 0x40
 #define I8_OFFSETS 0x80
 #define I8_GROUP_SHIFT 8
 #define I8_MAX_GROUP 512
@@ -63,7 +65,7 @@ int linear_bf16dp(const float *x, long m, long k, const uint16_t *p, long n, con
 /* panel_i8dp.c: int8 pair panels through vpdpwssd */
 int panel_has_avx512vnni(void);
 int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
-                const float *scale, long group, int offsets, float *y, int threads);
+                const void *scale, long group, int offsets, int half, float *y, int threads);
 
 /* paged_attention.c: decode attention read in place from the paged pool */
 int paged_decode_attention(const float *q, const void *keys, const void *values, long slots,

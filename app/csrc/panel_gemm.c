@@ -218,7 +218,7 @@ void panel_linear(const float *x, long m, long k, const float *p, long n, const 
 
 /* The same for any kind of panels (wtype: W_F32, W_BF16 or W_I8 packed here, W_BF16DP by
    panel_pack_pairs, W_I8DP by panel_pack_pairs_i8, which may carry a group of k in its upper
-   bits and I8_OFFSETS (kernels.h); scale: int8's [n] column scales, or grouped int8's as linear_i8dp takes
+   bits, I8_OFFSETS and I8_HALF (kernels.h); scale: int8's [n] column scales, or grouped int8's as linear_i8dp takes
    them, else ignored). Returns SK_OK; SK_BAD_SHAPE (m < 0, k or n < 1, threads < 1, a NULL x,
    p or y); SK_BAD_KIND (an unknown wtype, a group on another kind than W_I8DP, int8 panels
    without scales); or linear_bf16dp's / linear_i8dp's own status. */
@@ -227,9 +227,9 @@ int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
     if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
     long group = wtype >> I8_GROUP_SHIFT;
     wtype -= (int)(group << I8_GROUP_SHIFT);
-    int offsets = (wtype & I8_OFFSETS) != 0;
-    wtype &= ~I8_OFFSETS;
-    if (wtype < W_F32 || wtype > W_I8DP || ((group || offsets) && wtype != W_I8DP))
+    int offsets = (wtype & I8_OFFSETS) != 0, half = (wtype & I8_HALF) != 0;
+    wtype &= ~(I8_OFFSETS | I8_HALF);
+    if (wtype < W_F32 || wtype > W_I8DP || ((group || offsets || half) && wtype != W_I8DP))
         return SK_BAD_KIND;
     if ((wtype == W_I8 || wtype == W_I8DP) && scale == NULL) return SK_BAD_KIND;
     if (m == 0) return SK_OK;
@@ -239,6 +239,6 @@ int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
     case W_BF16: linear_bf16(x, m, k, p, n, bias, NULL, y, threads); return SK_OK;
     case W_I8: linear_i8(x, m, k, p, n, bias, scale, y, threads); return SK_OK;
     case W_BF16DP: return linear_bf16dp(x, m, k, p, n, bias, y, threads);
-    default: return linear_i8dp(x, m, k, p, n, bias, scale, group, offsets, y, threads);
+    default: return linear_i8dp(x, m, k, p, n, bias, scale, group, offsets, half, y, threads);
     }
 }

@@ -127,6 +127,24 @@ static VN_TARGET void to_i16(const float *x, long m, long k, long kb, uint32_t *
         if (np > 4) DPW(c##i##6, b, w6);                                                     \
         if (np > 4) DPW(c##i##7, b, w7);                                                     \
     }
+/* Grouped weights' scales for a tile: gs the tile's first panel's, block by block (16
+   scales a block, or with offsets 16 scales and then 16 offsets), the next panel's gld
+   elements on, each float32 or (half) float16; xsum (offsets only, else NULL) its rows'
+   inputs' sums, a row's lds on. */
+struct vn_grp {
+    const char *gs;
+    const float *xsum;
+    long gld;
+    int half;
+};
+
+/* 16 scales (or offsets) at element `at` of a tile's, as float32 */
+static inline __attribute__((always_inline)) VN_TARGET __m512 vn_scales(const struct vn_grp *gp,
+                                                                         long at) {
+    return gp->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gp->gs + 2 * at)))
+                    : _mm512_loadu_ps((const float *)(gp->gs + 4 * at));
+}
+
 /* a block's integer sums, times the row's scale for it (and grouped weights' column scales
    for the block), into the float sums in y; with offsets, then the block's offsets times
    the row's sum of its inputs */
@@ -138,8 +156,7 @@ static VN_TARGET void to_i16(const float *x, long m, long k, long kb, uint32_t *
         __m512 t = blk ? _mm512_fmadd_ps(v, s, _mm512_loadu_ps(o)) : _mm512_mul_ps(v, s);    \
         if (gp && gp->xsum)                                                                  \
             t = _mm512_fmadd_ps(_mm512_set1_ps(gp->xsum[(i) * lds + blk]),                   \
-                                _mm512_loadu_ps(gp->gs + (j) * gp->gld + blk * 2 * NR + NR), \
-                                t);                                                          \
+                                vn_scales(gp, (j) * gp->gld + blk * 2 * NR + NR), t);        \
         _mm512_storeu_ps(o, t);                                                              \
     }
 #define VN_FOLD(i)                                                                           \
@@ -151,14 +168,6 @@ static VN_TARGET void to_i16(const float *x, long m, long k, long kb, uint32_t *
         if (np > 4) { VN_FOLD1(i, 4) VN_FOLD1(i, 5) VN_FOLD1(i, 6) VN_FOLD1(i, 7) }          \
     }
 #define VN_W(j) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + (j) * ps)))
-
-/* Grouped weights' scales for a tile: gs the tile's first panel's, block by block (16
-   scales a block, or with offsets 16 scales and then 16 offsets), the next panel's gld
-   floats on; xsum (offsets only, else NULL) its rows' inputs' sums, a row's lds on. */
-struct vn_grp {
-    const float *gs, *xsum;
-    long gld;
-};
 
 /* One block of k, pairs [k0, k1) (block blk), of mr rows (pairs, stride ldx; scales stride
    lds) x np panels (mr * np <= 24; np 8 for up to 2 rows): the integer sums, times each
@@ -188,15 +197,14 @@ static inline __attribute__((always_inline)) VN_TARGET void vn_block(
     __m512 g0 = _mm512_setzero_ps(), g1 = g0, g2 = g0, g3 = g0, g4 = g0, g5 = g0, g6 = g0,
            g7 = g0; /* grouped weights: the block's column scales, once for every row */
     if (gp) {
-        long gld = gp->gld;
-        const float *b = gp->gs + blk * (gp->xsum ? 2 * NR : NR);
-        g0 = _mm512_loadu_ps(b);
-        if (np > 1) g1 = _mm512_loadu_ps(b + gld);
-        if (np > 2) g2 = _mm512_loadu_ps(b + 2 * gld);
-        if (np > 3) g3 = _mm512_loadu_ps(b + 3 * gld);
+        long gld = gp->gld, b = blk * (gp->xsum ? 2 * NR : NR);
+        g0 = vn_scales(gp, b);
+        if (np > 1) g1 = vn_scales(gp, b + gld);
+        if (np > 2) g2 = vn_scales(gp, b + 2 * gld);
+        if (np > 3) g3 = vn_scales(gp, b + 3 * gld);
         if (np > 4) {
-            g4 = _mm512_loadu_ps(b + 4 * gld), g5 = _mm512_loadu_ps(b + 5 * gld);
-            g6 = _mm512_loadu_ps(b + 6 * gld), g7 = _mm512_loadu_ps(b + 7 * gld);
+            g4 = vn_scales(gp, b + 4 * gld), g5 = vn_scales(gp, b + 5 * gld);
+            g6 = vn_scales(gp, b + 6 * gld), g7 = vn_scales(gp, b + 7 * gld);
         }
     }
     VN_FOLD(0) VN_FOLD(1) VN_FOLD(2) VN_FOLD(3) VN_FOLD(4) VN_FOLD(5)
@@ -210,9 +218,10 @@ static inline __attribute__((always_inline)) VN_TARGET void vn_tile(
     const float *xs, long lds, float *y, long ldy, const struct vn_grp *gp,
     const float *wscale, const float *bias, int ahead) {
     long ps = kp * NR * 2; /* one panel's bytes */
-    if (ahead && gp) /* the next np panels' scales, as their weights are (vn_block) */
-        for (long o = 0; o < np * gp->gld; o += 16)
-            _mm_prefetch((const char *)(gp->gs + np * gp->gld + o), _MM_HINT_T1);
+    if (ahead && gp) { /* the next np panels' scales, as their weights are (vn_block) */
+        long bytes = np * gp->gld * (gp->half ? 2 : 4);
+        for (long o = 0; o < bytes; o += 64) _mm_prefetch(gp->gs + bytes + o, _MM_HINT_T1);
+    }
     for (long blk = 0, k0 = 0; k0 < kp; blk++, k0 += kb)
         vn_block(mr, np, blk, k0, k0 + kb < kp ? k0 + kb : kp, ps, pan, x, ldx, xs, lds, y, ldy,
                  gp, ahead);
@@ -261,10 +270,12 @@ static const vn_fn VN_TILES[13][4] = {
    outputs. */
 struct vn_job {
     const uint32_t *xq;
-    const float *xs, *xsum, *wscale, *gscale, *bias;
+    const float *xs, *xsum, *wscale, *bias;
+    const char *gscale; /* float32, or float16 where half */
     const int8_t *p;
     float *y;
     long m, kp, kb, blocks, n;
+    int half;
 };
 
 /* Rows [m0, m0 + mr) x panels [q, q + np), through a scratch tile where columns are padding. */
@@ -272,8 +283,8 @@ static void vn_rows(const struct vn_job *j, long m0, int mr, int np, long q, int
     float s64[8 * NR], b64[8 * NR], scratch[12 * 4 * NR];
     long cols = j->n - q * NR < np * NR ? j->n - q * NR : np * NR;
     long gld = j->blocks * NR * (j->xsum ? 2 : 1); /* one panel's scales (and offsets) */
-    struct vn_grp grp = {j->gscale ? j->gscale + q * gld : NULL,
-                         j->xsum ? j->xsum + m0 * j->blocks : NULL, gld};
+    struct vn_grp grp = {j->gscale ? j->gscale + q * gld * (j->half ? 2 : 4) : NULL,
+                         j->xsum ? j->xsum + m0 * j->blocks : NULL, gld, j->half};
     const struct vn_grp *gp = j->gscale ? &grp : NULL;
     if (gp) /* grouped: the scales went in block by block, the end is y + bias */
         for (int c = 0; c < np * NR; c++) s64[c] = 1.0f;
@@ -325,14 +336,15 @@ static void vn_run(const struct vn_job *j, long q0, long q1) {
    scale [n], one a column; group g (even, 2..I8_MAX_GROUP): scale [panels][ceil(k / g)][16],
    one a column for each g of k (the last group may be short), the columns padded to whole
    panels with zeros; offsets (grouped only): W = q * scale + offset, scale
-   [panels][ceil(k / g)][2][16], each group's 16 scales and then its 16 offsets. Returns
-   SK_OK, SK_BAD_SHAPE (a count, a group not even or too large, offsets without a group),
-   SK_NO_ISA where the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
+   [panels][ceil(k / g)][2][16], each group's 16 scales and then its 16 offsets; half
+   (grouped only): the scales (and offsets) are float16. Returns SK_OK, SK_BAD_SHAPE (a
+   count, a group not even or too large, offsets or half without a group), SK_NO_ISA where
+   the CPU lacks AVX512-VNNI, SK_NO_MEMORY. */
 int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const float *bias,
-                const float *scale, long group, int offsets, float *y, int threads) {
+                const void *scale, long group, int offsets, int half, float *y, int threads) {
     if (!panel_has_avx512vnni()) return SK_NO_ISA;
     if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;
-    if (group < 0 || group % 2 || group > I8_MAX_GROUP || (offsets && !group))
+    if (group < 0 || group % 2 || group > I8_MAX_GROUP || ((offsets || half) && !group))
         return SK_BAD_SHAPE;
     long kp = (k + 1) / 2, panels = (n + NR - 1) / NR, kb = group ? group / 2 : KB;
     long blocks = (kp + kb - 1) / kb;
@@ -345,8 +357,8 @@ int linear_i8dp(const float *x, long m, long k, const int8_t *p, long n, const f
     }
     float *xsum = offsets ? xs + m * blocks : NULL;
     to_i16(x, m, k, kb, xq, xs, xsum);
-    struct vn_job job = {xq, xs, xsum, group ? NULL : scale, group ? scale : NULL, bias, p, y, m,
-                         kp, kb, blocks, n};
+    struct vn_job job = {xq, xs, xsum, group ? NULL : scale, bias, group ? scale : NULL, p, y,
+                         m, kp, kb, blocks, n, half};
     if (threads > panels) threads = (int)panels;
     if (threads <= 1 || m * n * k < 65536) {
         vn_run(&job, 0, panels);

@@ -63,18 +63,22 @@ def test_a_grouped_product_is_its_weights_and_the_same_in_any_batch(n, k, group)
 
 @needs_vnni
 @pytest.mark.parametrize(("n", "k", "group"), [(96, 64, 32), (100, 71, 32), (40, 1100, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @torch.inference_mode()
-def test_an_offset_per_group_is_added_as_the_weights_say(n, k, group):
-    """Weights ``q * scale + offset`` (a GGUF Q4_1 block's form: app.gguf_blocks): the
-    offsets times each group's inputs' sum join the products, in any batch alike."""
+def test_an_offset_per_group_is_added_as_the_weights_say(n, k, group, dtype):
+    """Weights ``q * scale + offset`` (a GGUF Q4_1 block's form: app.gguf_blocks, its scales
+    float16): the offsets times each group's inputs' sum join the products, in any batch
+    alike."""
     torch.manual_seed(n)
     linear = nn.Linear(k, n)
     groups = -(-k // group)
     q = torch.randint(0, 16, (n, k), dtype=torch.int8)
-    scale, offset = torch.rand(n, groups) * 0.02, torch.randn(n, groups) * 0.1
+    scale = (torch.rand(n, groups) * 0.02).to(dtype)
+    offset = (torch.randn(n, groups) * 0.1).to(dtype)
     setattr(linear, CHECKPOINT_INT8, (q, scale, offset))
     panel = PanelLinear(linear, weights="int8dp", group=group)
-    assert panel.wtype == wtype_code("int8dp", group, offsets=True)
+    assert panel.wtype == wtype_code("int8dp", group, offsets=True, half=dtype == torch.float16)
+    assert panel.kernel_scale.dtype == dtype
     weight = dequantize(q, scale, group, offset)
     for m in (1, 2, 7, 8, 49):
         x = torch.randn(m, k)
