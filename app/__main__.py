@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="auto: bfloat16 where the CPU has native bf16 (or on a GPU)")
     gen.add_argument("--weights", default=None,
                      help="int8: weight-only int8 linears (CPU), quantized at load, a scale "
-                          "per output; int8-g<N>: a scale per output for each N of k")
+                          "per output; int8-g<N>: a scale per output for each N of k; gguf: a "
+                          "GGUF model's own blocks in int8 (no second quantization)")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     gen.add_argument("--max-tokens", type=int, default=64)
