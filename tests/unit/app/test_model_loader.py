@@ -14,10 +14,10 @@ import torch
 import app.model_loader as ml
 from app.config import DEFAULT_MODEL, EngineConfig
 from app.errors import ModelLoadError
+from app.fingerprint import fingerprint
 from app.model_loader import (
     converted_gguf_dir,
     embedded_gguf_path,
-    fingerprint,
     load_model,
     load_tokenizer,
     resolve_model,
