@@ -81,8 +81,7 @@ def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def attach_gguf_blocks(model: nn.Module, gguf_path: Path) -> int:
     """Each of ``model``'s linears keeps its blocks from ``gguf_path`` in ``CHECKPOINT_INT8``
-    (int8, scales [out, in / 32], offsets: zeros for a type without them, where any linear
-    has them, so that every panel is of one kind); the count. A tied LM head takes the
+    (int8, scales [out, in / 32], and for Q4_1 offsets); the count. A tied LM head takes the
     embedding's. Raises ``ModelLoadError`` for a file that is not a llama GGUF, a linear of
     another type than Q8_0, Q4_0 or Q4_1, or blocks that do not give the loaded weight."""
     from gguf import GGUFReader
@@ -131,12 +130,10 @@ def _check_and_attach(modules: dict[str, nn.Module], kept: dict[str, tuple]) -> 
     missing = [n for n, m in modules.items() if type(m) is nn.Linear and n not in kept]
     if missing:
         raise ModelLoadError(f"weights: gguf: no blocks for {missing[:5]}")
-    offsets = _with_offsets(kept)
     for target, (q, scale, offset) in kept.items():
-        if offsets and offset is None:
-            offset = torch.zeros_like(scale)
         weight = modules[target].weight.detach().float()
         if not torch.allclose(dequantize(q, scale, GROUP, offset), weight, rtol=0,
                               atol=1e-6 * float(weight.abs().max())):
             raise ModelLoadError(f"weights: gguf: {target}'s blocks do not give its weight")
-        setattr(modules[target], CHECKPOINT_INT8, (q, scale) + ((offset,) if offsets else ()))
+        own = (q, scale) if offset is None else (q, scale, offset)
+        setattr(modules[target], CHECKPOINT_INT8, own)

@@ -318,6 +318,18 @@ def weight_kind(model: nn.Module) -> str | None:
     return next(iter(kinds), None)
 
 
+def _offsets_for_all(linears: list[nn.Linear], group: int) -> None:
+    """Where some linears' int8 weights have offsets (a checkpoint's zero points, a GGUF's
+    Q4_1 blocks), every other linear's get zero offsets: one kind of panel, so the fused
+    kernels take the model whole."""
+    if not any(len(getattr(m, CHECKPOINT_INT8, ())) == 3 for m in linears):
+        return
+    for m in linears:
+        own = getattr(m, CHECKPOINT_INT8, None) or quantize_int8(m.weight, group)
+        if len(own) == 2:
+            setattr(m, CHECKPOINT_INT8, (*own, torch.zeros_like(own[1])))
+
+
 def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, layout: str = "auto",
                  cache_dir: Path | None = None, weights: str = "float32",
                  group: int = 0) -> int:
@@ -336,6 +348,8 @@ def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, layout: str = "
         raise ValueError(f"{weights} weights need the panels layout, not {layout}")
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is nn.Linear]
+    if weights == "int8dp" and group:
+        _offsets_for_all([module for _, module in targets], group)
     # weights another module uses too (tied embeddings) stay as they are
     shared = {id(p) for m in model.modules() if type(m) is not nn.Linear
               for p in m.parameters(recurse=False)}

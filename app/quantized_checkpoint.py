@@ -5,18 +5,21 @@ checkpoint's own integers and scales, nothing quantized again.
 A compressed-tensors checkpoint's ``config.json`` has a ``quantization_config`` with
 ``quant_method: compressed-tensors``; each of its ``config_groups`` says how its target
 modules' weights were quantized. The engine's int8 panels hold one scale per output channel,
-or one per output for each group of k, and no zero point, so it takes groups of 8-bit
-symmetric integer weights with the ``channel`` (or ``tensor``) strategy, or ``group`` with
-an even ``group_size`` up to 512 (the same for every config group; served by the VNNI
-kernel, elsewhere dequantized to bf16 panels: app.packed_linear.weight_plan), and
-unquantized activations; anything else (4 bits, a zero point, an activation order,
-quantized activations, sparsity) is refused with what was found. In the safetensors, a
+or one per output for each group of k (and then an offset per group too), so it takes
+groups of 8-bit symmetric integer weights with the ``channel`` (or ``tensor``) strategy, or
+``group`` with an even ``group_size`` up to 512, symmetric or with a zero point (the same
+size for every config group; served by the VNNI kernel, elsewhere dequantized to bf16
+panels: app.packed_linear.weight_plan), and unquantized activations; anything else (4 bits,
+a zero point without groups, an activation order, quantized activations, sparsity) is
+refused with what was found. In the safetensors, a
 quantized linear ``X`` is ``X.weight_scale`` ([out, 1], one value for the tensor strategy,
 [out, ceil(in / group_size)] for the group strategy) beside either
 ``X.weight`` (int8 [out, in]: the ``int-quantized`` and ``naive-quantized`` formats) or
 ``X.weight_packed`` (int32 [out, ceil(in / 4)]: ``pack-quantized``, four integers a word,
 each stored plus 128 in 8 bits, the first in the lowest) with ``X.weight_shape``; the
-weight is ``integer * scale``. Modules the quantization left out (``ignore``: usually
+weight is ``integer * scale``, or with ``X.weight_zero_point`` (int8, as the scales)
+``(integer - zero point) * scale``, which the panels hold as ``integer * scale + offset``
+with ``offset = -zero point * scale``. Modules the quantization left out (``ignore``: usually
 ``lm_head``) are stored dense and load as they are.
 
 The model is built from the checkpoint's config without its ``quantization_config``, over
@@ -95,8 +98,8 @@ def _group_problems(group: dict[str, Any]) -> list[str]:
         found.append("no weights scheme")
     if w and (w.get("num_bits"), w.get("type")) != (8, "int"):
         found.append(f"weights of {w.get('num_bits')} bits, type {w.get('type')!r}")
-    if w and not w.get("symmetric", False):
-        found.append("asymmetric weights (a zero point)")
+    if w and not w.get("symmetric", False) and w.get("strategy") != "group":
+        found.append("asymmetric weights (a zero point) without the group strategy")
     size = w.get("group_size")
     if w and w.get("strategy") not in ("channel", "tensor", "group"):
         found.append(f"strategy {w.get('strategy')!r} (group size {size})")
@@ -146,7 +149,7 @@ def unpack_int32(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 
 def _read(folder: Path, group: int) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """The checkpoint's dense tensors, and (int8, scale [out] or, with a ``group``,
-    [out, groups]) by quantized linear."""
+    [out, groups], and where it has a zero point its offsets) by quantized linear."""
     from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
@@ -161,8 +164,9 @@ def _read(folder: Path, group: int) -> tuple[dict[str, torch.Tensor], dict[str, 
         prefix = key[: -len(".weight_scale")]
         scale = tensors.pop(key).float()
         zero = tensors.pop(prefix + ".weight_zero_point", None)
-        if zero is not None and bool(zero.any()):
-            raise ModelLoadError(f"{prefix} has a nonzero zero point: {SCHEME} only")
+        zero = zero if zero is not None and bool(zero.any()) else None
+        if zero is not None and not group:
+            raise ModelLoadError(f"{prefix} has a nonzero zero point without groups: {SCHEME}")
         if prefix + ".weight_g_idx" in tensors:
             raise ModelLoadError(f"{prefix} has an activation order (weight_g_idx)")
         try:
@@ -175,7 +179,9 @@ def _read(folder: Path, group: int) -> tuple[dict[str, torch.Tensor], dict[str, 
             raise ModelLoadError(f"{prefix} has a weight_scale but no {exc}") from exc
         if q.dtype != torch.int8 or q.dim() != 2:
             raise ModelLoadError(f"{prefix}'s weight is {q.dtype} {tuple(q.shape)}, not int8")
-        quantized[prefix] = (q, _scales(prefix, scale, q.shape, group))
+        scale = _scales(prefix, scale, q.shape, group)
+        offset = None if zero is None else -_scales(prefix, zero.float(), q.shape, group) * scale
+        quantized[prefix] = (q, scale) if offset is None else (q, scale, offset)
     return tensors, quantized
 
 
@@ -219,8 +225,8 @@ def load_int8_checkpoint(where: str, hf_config: Any, keep_integers: bool = True)
     group = int8_group(hf_config)
     dense, quantized = _read(folder, group)
     state = {k: v.float() if v.is_floating_point() else v for k, v in dense.items()}
-    for prefix, (q, scale) in quantized.items():
-        state[prefix + ".weight"] = dequantize(q, scale, group)
+    for prefix, (q, scale, *offset) in quantized.items():
+        state[prefix + ".weight"] = dequantize(q, scale, group, *offset)
     config = type(hf_config).from_dict({k: v for k, v in hf_config.to_dict().items()
                                         if k != "quantization_config"})
     try:

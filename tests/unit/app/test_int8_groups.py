@@ -224,3 +224,30 @@ def test_a_checkpoints_groups_must_agree_and_be_even():
         int8_format(qc(128, 0))
     with pytest.raises(ModelLoadError, match="group_size 127"):
         int8_format(qc(127))
+
+
+@needs_vnni
+async def test_a_checkpoint_with_zero_points_is_served_with_its_offsets(tmp_path,
+                                                                       smollm_tokenizer):
+    """compressed-tensors ``(q - zero) * scale`` per group: the panels hold q, the scales and
+    ``-zero * scale``, and the greedy tokens are the dequantized model's."""
+    written = write(make_tiny_model(seed=5), tmp_path, "int-quantized", smollm_tokenizer,
+                    group=32, asymmetric=True)
+    core = EngineCore(EngineConfig(model=str(tmp_path), max_batch_size=8))
+    assert weight_kind(core.model) == "int8dp-g32-offsets"
+    panels = {name: m for name, m in core.model.named_modules() if isinstance(m, PanelLinear)}
+    for name, (q, scale, offset) in written.items():
+        assert torch.equal(panels[name].weight, q) and torch.equal(panels[name].weight_scale,
+                                                                   scale), name
+        assert torch.equal(panels[name].weight_offset, offset) and offset.any(), name
+    assert not panels["lm_head"].weight_offset.any()  # quantized at load: offsets zero
+    reference = make_tiny_model(seed=5)
+    reference.lm_head.weight = nn.Parameter(reference.lm_head.weight.detach().clone())
+    for name, module in reference.named_modules():
+        if type(module) is nn.Linear:
+            q, scale, *offset = written.get(name) or quantize_int8(module.weight, 32)
+            module.weight.data = dequantize(q, scale, 32, *offset)
+            module.register_forward_pre_hook(lambda _m, a: (_inputs(a[0], "int8dp", 32),))
+    expected = [hf_greedy(reference, p, 11) for p in PROMPTS]
+    outs, _ = await engine_greedy(core, PROMPTS, 11)
+    assert outs == expected
