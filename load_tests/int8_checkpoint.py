@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     written = write(load_model(config), args.out, args.format, load_tokenizer(config),
                     args.group, args.asymmetric)
     per = f"a scale per {args.group} of k" if args.group else "a scale per output"
+    per += ", a zero point per group" if args.asymmetric else ""
     print(f"{len(written)} linears as int8 ({args.format}, {per}) in {args.out}")
     return 0
 
