@@ -218,10 +218,11 @@ void panel_linear(const float *x, long m, long k, const float *p, long n, const 
 
 /* The same for any kind of panels (wtype: W_F32, W_BF16 or W_I8 packed here, W_BF16DP by
    panel_pack_pairs, W_I8DP by panel_pack_pairs_i8, which may carry a group of k in its upper
-   bits, I8_OFFSETS and I8_HALF (kernels.h); scale: int8's [n] column scales, or grouped int8's as linear_i8dp takes
-   them, else ignored). Returns SK_OK; SK_BAD_SHAPE (m < 0, k or n < 1, threads < 1, a NULL x,
-   p or y); SK_BAD_KIND (an unknown wtype, a group on another kind than W_I8DP, int8 panels
-   without scales); or linear_bf16dp's / linear_i8dp's own status. */
+   bits, I8_OFFSETS and I8_HALF (kernels.h); scale: int8's [n] column scales, or grouped
+   int8's as linear_i8dp takes them, else ignored). Returns SK_OK; SK_BAD_SHAPE (m < 0, k or
+   n < 1, threads < 1, a NULL x, p or y); SK_BAD_KIND (an unknown wtype, a group, offsets or
+   float16 scales on another kind than W_I8DP, int8 panels without scales); or
+   linear_bf16dp's / linear_i8dp's own status. */
 int panel_linear_w(const float *x, long m, long k, const void *p, int wtype,
                    const float *scale, long n, const float *bias, float *y, int threads) {
     if (m < 0 || k < 1 || n < 1 || threads < 1) return SK_BAD_SHAPE;

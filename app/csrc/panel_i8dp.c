@@ -20,9 +20,14 @@
  * block or a compressed-tensors `group` checkpoint holds them): the inputs' blocks are the
  * groups, g / 2 pairs each, and a block's sums are multiplied by the row's scale times the
  * block's 16 column scales as they are folded in (one load and one multiply more a fold);
- * the end adds only the bias. The scales lie panel by panel, [panels][groups][16], so a
- * tile reads them in one run (laid out [groups][columns], each group's row was a jump
- * of a row's length: SmolLM2's LM head at one row 1.14x per-channel's time at g = 128). g <= I8_MAX_GROUP keeps a block's 2g products below 2^31.
+ * the end adds only the bias. With offsets (W = q * scale + offset: a GGUF Q4_1 block, a
+ * zero point), each block's inputs' sum (its integers' exact sum times its scale) times
+ * the block's 16 offsets joins the fold too. Scales and offsets are float32 or float16 (a
+ * GGUF file's own), widened as they load. They lie panel by panel, [panels][groups][16]
+ * ([panels][groups][2][16] with offsets), so a tile reads them in one run (laid out
+ * [groups][columns], each group's row was a jump of a row's length: SmolLM2's LM head at
+ * one row 1.14x per-channel's time at g = 128). g <= I8_MAX_GROUP keeps a block's 2g
+ * products below 2^31.
  *
  * Layout (packed by panel_bf16dp.c's panel_pack_pairs_i8): as bf16's pairs, int8: P[N/16][K/2][16][2] (a column's weights at k and
  * k + 1 side by side, one 16-bit pair), K padded to even with a zero; panel_pair_elems counts
@@ -172,8 +177,8 @@ static inline __attribute__((always_inline)) VN_TARGET __m512 vn_scales(const st
 /* One block of k, pairs [k0, k1) (block blk), of mr rows (pairs, stride ldx; scales stride
    lds) x np panels (mr * np <= 24; np 8 for up to 2 rows): the integer sums, times each
    row's scale (and, grouped weights, gp: the block's column scales; with offsets, plus the
-   offsets times the rows' sums), into the float sums in y (stride ldy). With `ahead`, the np panels after
-   these are fetched towards L2 as these are read. */
+   offsets times the rows' sums), into the float sums in y (stride ldy). With `ahead`, the
+   np panels after these are fetched towards L2 as these are read. */
 static inline __attribute__((always_inline)) VN_TARGET void vn_block(
     int mr, int np, long blk, long k0, long k1, long ps, const int8_t *pan, const uint32_t *x,
     long ldx, const float *xs, long lds, float *y, long ldy, const struct vn_grp *gp,
