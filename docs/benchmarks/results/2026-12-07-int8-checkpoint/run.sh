@@ -1,14 +1,17 @@
 #!/bin/bash
-# OUT=... ORDER="A B B A" A=cfgdir B=cfgdir ./run.sh
-cd /work/main
-export OUT=${OUT:-/work/exp/gap/out}
+# OUT=<results folder> ORDER="A B B A" A=<serve-config folder> B=<serve-config folder> ./run.sh
+# (run from anywhere; each named side's folder holds a local.yaml, or CFG=<name>.yaml)
+HERE=$(cd "$(dirname "$0")" && pwd)
+cd "$HERE/../../../.." || exit 1
+export OUT=${OUT:?OUT: a folder for the results}
+mkdir -p "$OUT"
 source load_tests/serve_local.sh
 start_head || exit 1
 i=0
 for side in $ORDER; do
   i=$((i+1))
   SERVE_CONFIG_DIR=${!side} serve_config ${CFG:-local} || exit 1
-  .venv/bin/python /work/exp/gap/client.py http://127.0.0.1:8000 ${N:-6} ${TOK:-128} > $OUT/client-$i-$side.txt
+  .venv/bin/python "$HERE/client.py" http://127.0.0.1:8000 ${N:-6} ${TOK:-128} > $OUT/client-$i-$side.txt
   .venv/bin/python -c "
 import ray; from ray import serve
 ray.init(address='auto', logging_level='ERROR')
