@@ -16,17 +16,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
 from app.config import EngineConfig
 from app.engine_core import EngineCore
 from app.errors import ModelLoadError
 from app.model_loader import load_model
 from app.packed_linear import PanelLinear, quantize_int8, weight_kind, weight_plan
-from app.quantized_checkpoint import CHECKPOINT_INT8, int8_format, unpack_int32
+from app.quantized_checkpoint import CHECKPOINT_INT8, dequantize, int8_format, unpack_int32
 from load_tests.int8_checkpoint import GROUP, pack, write
 from tests.conftest import engine_greedy, hf_greedy, make_tiny_model
-from tests.unit.app.test_weight_kinds import PROMPTS, _inputs
+from tests.unit.app.test_weight_kinds import PROMPTS, reference_model
 
 
 @pytest.fixture(scope="module", params=["pack-quantized", "int-quantized"])
@@ -61,15 +60,9 @@ def test_the_panels_hold_the_checkpoints_own_integers(checkpoint):
 async def test_engine_greedy_tokens_equal_the_dequantized_plain_model(checkpoint):
     folder, written = checkpoint
     core = EngineCore(EngineConfig(model=str(folder), max_batch_size=8))
-    kind = weight_kind(core.model)
-    reference = make_tiny_model(seed=5)
-    reference.lm_head.weight = nn.Parameter(reference.lm_head.weight.detach().clone())
-    for name, module in reference.named_modules():
-        if type(module) is nn.Linear:
-            q, scale = written.get(name) or quantize_int8(module.weight)
-            module.weight.data = q.float() * scale[:, None]
-            if kind == "int8dp":
-                module.register_forward_pre_hook(lambda _m, a: (_inputs(a[0], kind),))
+    reference = reference_model(
+        lambda name, linear: dequantize(*(written.get(name) or quantize_int8(linear.weight))),
+        weight_kind(core.model))
     expected = [hf_greedy(reference, p, 12) for p in PROMPTS]
     outs, _ = await engine_greedy(core, PROMPTS, 12)
     assert outs == expected

@@ -23,12 +23,21 @@ from app.packed_linear import PanelLinear, pack_linears, quantize_int8, weight_k
 from app.quantized_checkpoint import CHECKPOINT_INT8, dequantize, int8_format
 from load_tests.int8_checkpoint import write
 from tests.conftest import engine_greedy, hf_greedy, make_tiny_model
-from tests.unit.app.test_weight_kinds import PROMPTS, _inputs, _vnni
+from tests.unit.app.test_weight_kinds import PROMPTS, _inputs, _vnni, reference_model
 
 pytestmark = pytest.mark.skipif(kernel_unavailable() is not None,
                                 reason="the panel kernel needs x86-64 with AVX2/FMA and a compiler")
 needs_vnni = pytest.mark.skipif(not _vnni(), reason="the CPU has no AVX512-VNNI (or is kept "
                                 "to AVX2): grouped int8 is served as bf16 there, tested below")
+
+
+def _written_or_quantized(written: dict[str, tuple], group: int = 32):
+    """A linear's weight as the engine holds it: a checkpoint's written integers, scales
+    (and offsets), else quantized at load with a scale per ``group``; dequantized."""
+    def weight_of(name: str, linear: nn.Linear) -> torch.Tensor:
+        q, scale, *offset = written.get(name) or quantize_int8(linear.weight, group)
+        return dequantize(q, scale, group, *offset)
+    return weight_of
 
 
 @pytest.fixture
@@ -107,12 +116,7 @@ def test_a_scale_per_group_follows_weights_whose_size_changes_along_k():
 
 @needs_vnni
 async def test_engine_greedy_tokens_equal_the_plain_model_over_the_grouped_weights():
-    reference = make_tiny_model(seed=5)
-    reference.lm_head.weight = nn.Parameter(reference.lm_head.weight.detach().clone())
-    for module in reference.modules():
-        if type(module) is nn.Linear:
-            module.weight.data = dequantize(*quantize_int8(module.weight, 32), 32)
-            module.register_forward_pre_hook(lambda _m, a: (_inputs(a[0], "int8dp", 32),))
+    reference = reference_model(_written_or_quantized({}), "int8dp", 32)
     # 11 tokens: the second prompt's 12th is a tie (its top two logits within 1e-4)
     expected = [hf_greedy(reference, p, 11) for p in PROMPTS]
     packed = make_tiny_model(seed=5)
@@ -184,13 +188,8 @@ async def test_a_grouped_checkpoint_is_served_with_its_own_integers_and_scales(
     for name, (q, scale) in written.items():
         assert panels[name].group == 32 and torch.equal(panels[name].weight, q), name
         assert torch.equal(panels[name].weight_scale, scale), name
-    reference = make_tiny_model(seed=5)
-    reference.lm_head.weight = nn.Parameter(reference.lm_head.weight.detach().clone())
-    for name, module in reference.named_modules():
-        if type(module) is nn.Linear:  # lm_head: not in the checkpoint, quantized at load
-            q, scale = written.get(name) or quantize_int8(module.weight, 32)
-            module.weight.data = dequantize(q, scale, 32)
-            module.register_forward_pre_hook(lambda _m, a: (_inputs(a[0], "int8dp", 32),))
+    # lm_head: not in the checkpoint, quantized at load
+    reference = reference_model(_written_or_quantized(written), "int8dp", 32)
     expected = [hf_greedy(reference, p, 12) for p in PROMPTS]
     outs, _ = await engine_greedy(core, PROMPTS, 12)
     assert outs == expected
@@ -241,13 +240,7 @@ async def test_a_checkpoint_with_zero_points_is_served_with_its_offsets(tmp_path
                                                                    scale), name
         assert torch.equal(panels[name].weight_offset, offset) and offset.any(), name
     assert not panels["lm_head"].weight_offset.any()  # quantized at load: offsets zero
-    reference = make_tiny_model(seed=5)
-    reference.lm_head.weight = nn.Parameter(reference.lm_head.weight.detach().clone())
-    for name, module in reference.named_modules():
-        if type(module) is nn.Linear:
-            q, scale, *offset = written.get(name) or quantize_int8(module.weight, 32)
-            module.weight.data = dequantize(q, scale, 32, *offset)
-            module.register_forward_pre_hook(lambda _m, a: (_inputs(a[0], "int8dp", 32),))
+    reference = reference_model(_written_or_quantized(written), "int8dp", 32)
     expected = [hf_greedy(reference, p, 11) for p in PROMPTS]
     outs, _ = await engine_greedy(core, PROMPTS, 11)
     assert outs == expected

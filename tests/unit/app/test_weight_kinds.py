@@ -62,17 +62,23 @@ def _inputs(x: torch.Tensor, kind: str, block: int = 256) -> torch.Tensor:
     return out
 
 
-def _reference(kind: str, seed: int) -> nn.Module:
-    """The tiny model in float32 with every linear computing what ``kind``'s panels do: its
-    weight rounded, and for bfloat16dp / int8dp its input too (:func:`_inputs`)."""
+def reference_model(weight_of, kind: str, block: int = 256, seed: int = 5) -> nn.Module:
+    """The tiny model in float32 (its head untied) with every linear computing what
+    ``kind``'s panels do: its weight ``weight_of(name, linear)``, and for bfloat16dp / int8dp
+    its input as their products take it (:func:`_inputs`, int8dp's blocks of ``block``)."""
     model = make_tiny_model(seed=seed)
     model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untie
-    for module in model.modules():
+    for name, module in model.named_modules():
         if type(module) is nn.Linear:
-            module.weight.data = _rounded(module, kind)
+            module.weight.data = weight_of(name, module)
             if kind in ("bfloat16dp", "int8dp"):
-                module.register_forward_pre_hook(lambda _m, a: (_inputs(a[0], kind),))
+                module.register_forward_pre_hook(lambda _m, a: (_inputs(a[0], kind, block),))
     return model
+
+
+def _reference(kind: str, seed: int) -> nn.Module:
+    """The tiny model with each linear's weight rounded as ``kind``'s panels round it."""
+    return reference_model(lambda _name, linear: _rounded(linear, kind), kind, seed=seed)
 
 
 @pytest.mark.parametrize("kind", KINDS)
