@@ -81,6 +81,7 @@ def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
 # app.packed_linear, app.gguf_blocks)
 WEIGHT_FORMATS = (None, "int8", "int8-g<N>", "gguf")
 INT8_MAX_GROUP = 512  # kernels.h's I8_MAX_GROUP: a group's integer sums stay below 2^31
+GGUF_GROUP = 32  # weights a block of every GGUF type app.gguf_blocks reads
 
 
 def weight_group(weights: str | None) -> int:
@@ -90,7 +91,7 @@ def weight_group(weights: str | None) -> int:
     if weights in (None, "int8"):
         return 0
     if weights == "gguf":
-        return 32
+        return GGUF_GROUP
     head, _, tail = str(weights).partition("-g")
     if head != "int8" or not tail.isdigit() or int(tail) % 2 or not (
             2 <= int(tail) <= INT8_MAX_GROUP):

@@ -27,12 +27,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from app.config import GGUF_GROUP
 from app.errors import ModelLoadError
 from app.quantized_checkpoint import CHECKPOINT_INT8, dequantize
 
 logger = logging.getLogger(__name__)
 
-GROUP = 32  # k per block of every type read here
+GROUP = GGUF_GROUP  # k per block of every type read here
 TYPES = ("Q8_0", "Q4_0", "Q4_1")
 _PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from app.config import INT8_MAX_GROUP
 from app.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -45,10 +46,9 @@ logger = logging.getLogger(__name__)
 # where it has them offsets [out, groups]: app.gguf_blocks)
 CHECKPOINT_INT8 = "checkpoint_int8"
 FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
-SCHEME = ("8-bit symmetric integer weights with one scale per output channel (or per "
-          "tensor, or per group of an even group_size up to 512), activations unquantized "
-          "(W8A16)")
-MAX_GROUP = 512  # app.config.INT8_MAX_GROUP
+SCHEME = ("8-bit integer weights with one scale per output channel (or per tensor), or "
+          f"per group of an even group_size up to {INT8_MAX_GROUP} (then a zero point may "
+          "come too), activations unquantized (W8A16)")
 
 
 def _quant_dict(hf_config: Any) -> dict[str, Any] | None:
@@ -104,8 +104,8 @@ def _group_problems(group: dict[str, Any]) -> list[str]:
     if w and w.get("strategy") not in ("channel", "tensor", "group"):
         found.append(f"strategy {w.get('strategy')!r} (group size {size})")
     if w.get("strategy") == "group" and not (
-            isinstance(size, int) and size % 2 == 0 and 2 <= size <= MAX_GROUP):
-        found.append(f"group_size {size!r} (even, 2 to {MAX_GROUP})")
+            isinstance(size, int) and size % 2 == 0 and 2 <= size <= INT8_MAX_GROUP):
+        found.append(f"group_size {size!r} (even, 2 to {INT8_MAX_GROUP})")
     if w.get("actorder") or w.get("dynamic"):
         found.append("an activation order or dynamic weights")
     if group.get("input_activations") or group.get("output_activations"):
