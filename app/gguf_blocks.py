@@ -118,13 +118,10 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: Path) -> int:
             offset = None if offset is None else _unpermute(offset, heads)
         kept[target] = (q, scale, offset)
     _check_and_attach(modules, kept)
+    offsets = any(offset is not None for _, _, offset in kept.values())
     logger.info("weights: gguf: %d linears' blocks from %s, 32 weights a scale%s", len(kept),
-                gguf_path.name, " and an offset" if _with_offsets(kept) else "")
+                gguf_path.name, " and an offset" if offsets else "")
     return len(kept)
-
-
-def _with_offsets(kept: dict[str, tuple]) -> bool:
-    return any(offset is not None for _, _, offset in kept.values())
 
 
 def _check_and_attach(modules: dict[str, nn.Module], kept: dict[str, tuple]) -> None:
